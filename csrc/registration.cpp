@@ -1,0 +1,45 @@
+// The verl_ops API: every schema, and the kernels behind it for each dispatch key.
+#include <torch/library.h>
+
+#include "ops/thd_ops.h"
+
+TORCH_LIBRARY(verl_ops, m) {
+  // Layout rules (OPS.md section 1) from per-sequence lengths (CPU). Returns int32 cu_seqlens
+  // and cu_seqlens_padded, each [B + 1].
+  m.def(
+      "thd_layout(Tensor lengths, int tp_size=1, int cp_size=1, str cp_layout='zigzag', "
+      "bool fp8_padding=False, int? min_local_rows=None, int? pad_to_length_bucket=None) "
+      "-> (Tensor cu_seqlens, Tensor cu_seqlens_padded)");
+  // Pack jagged values [total, *F] (or padded [B, S, *F] with attention_mask [B, S]) into the
+  // THD rows of cp_rank ([local_rows, *F]) or of every rank (cp_rank=-1: [cp, local_rows, *F]),
+  // with the position of each row inside its padded sequence.
+  m.def(
+      "preprocess_thd(Tensor values, Tensor cu_seqlens, Tensor cu_seqlens_padded, "
+      "SymInt local_rows, int cp_size=1, int cp_rank=0, str cp_layout='zigzag', bool roll=False, "
+      "Tensor? attention_mask=None) -> (Tensor packed, Tensor position_ids)");
+  // Inverse of preprocess_thd over valid tokens: packed [local_rows, *F] of cp_rank (other
+  // ranks' tokens come out zero) or all shards [cp, local_rows, *F] (cp_rank=-1) -> jagged
+  // values [total_tokens, *F], or [B, S, *F] with zeros where attention_mask is false.
+  m.def(
+      "postprocess_thd(Tensor packed, Tensor cu_seqlens, Tensor cu_seqlens_padded, "
+      "SymInt total_tokens, int cp_size=1, int cp_rank=-1, str cp_layout='zigzag', "
+      "bool roll=False, Tensor? attention_mask=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
+  m.impl("thd_layout", &verl_ops::ops::thd_layout);
+  m.impl("preprocess_thd", &verl_ops::ops::preprocess_thd_cpu);
+  m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cpu);
+}
+
+TORCH_LIBRARY_IMPL(verl_ops, Meta, m) {
+  m.impl("preprocess_thd", TORCH_FN(verl_ops::ops::preprocess_thd_meta));
+  m.impl("postprocess_thd", TORCH_FN(verl_ops::ops::postprocess_thd_meta));
+}
+
+#ifdef VERL_OPS_WITH_CUDA
+TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
+  m.impl("preprocess_thd", &verl_ops::ops::preprocess_thd_cuda);
+  m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cuda);
+}
+#endif

@@ -1,0 +1,230 @@
+"""Python API of the THD ops: preprocess_thd (pack) and postprocess_thd (unpack), plus their
+autograd and fake-tensor registrations."""
+
+from __future__ import annotations
+
+import torch
+
+from .layout import ThdLayout
+
+_ops = torch.ops.verl_ops
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd. pack and unpack are each other's adjoint (both are row gathers over the same
+# bijection between valid tokens and padded rows), so each backward is one call of the other.
+
+
+def _pack_setup_context(ctx, inputs, output):
+    values, cu, cu_padded, local_rows, cp_size, cp_rank, cp_layout, roll, mask = inputs
+    ctx.save_for_backward(cu, cu_padded, mask)
+    ctx.meta = (values.shape[0], cp_size, cp_rank, cp_layout, roll)
+
+
+def _pack_backward(ctx, grad_packed, grad_positions):
+    cu, cu_padded, mask = ctx.saved_tensors
+    total_tokens, cp_size, cp_rank, cp_layout, roll = ctx.meta
+    grad_values = _ops.postprocess_thd(
+        grad_packed.contiguous(), cu, cu_padded, total_tokens, cp_size, cp_rank, cp_layout, roll, mask
+    )
+    return grad_values, None, None, None, None, None, None, None, None
+
+
+def _unpack_setup_context(ctx, inputs, output):
+    packed, cu, cu_padded, total_tokens, cp_size, cp_rank, cp_layout, roll, mask = inputs
+    ctx.save_for_backward(cu, cu_padded, mask)
+    local_rows = packed.shape[1] if cp_rank < 0 else packed.shape[0]
+    ctx.meta = (local_rows, cp_size, cp_rank, cp_layout, roll)
+
+
+def _unpack_backward(ctx, grad_out):
+    cu, cu_padded, mask = ctx.saved_tensors
+    local_rows, cp_size, cp_rank, cp_layout, roll = ctx.meta
+    grad_packed, _ = _ops.preprocess_thd(
+        grad_out.contiguous(), cu, cu_padded, local_rows, cp_size, cp_rank, cp_layout, roll, mask
+    )
+    return grad_packed, None, None, None, None, None, None, None, None
+
+
+torch.library.register_autograd(
+    "verl_ops::preprocess_thd", _pack_backward, setup_context=_pack_setup_context
+)
+torch.library.register_autograd(
+    "verl_ops::postprocess_thd", _unpack_backward, setup_context=_unpack_setup_context
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Validation that needs the data's values (a host read when the data is on a GPU). Shapes are
+# always checked; values are checked eagerly unless validate=False, and never while tracing.
+
+
+def _should_validate(validate, t: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return False
+    if t.is_cuda and torch.cuda.is_current_stream_capturing():
+        return False
+    return True if validate is None else bool(validate)
+
+
+def _check_cp_rank(op: str, layout: ThdLayout, cp_rank) -> None:
+    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < layout.cp_size:
+        raise ValueError(f"{op}: cp_rank must be an int in [0, cp_size={layout.cp_size}), got {cp_rank!r}")
+
+
+def _check_mask_lengths(op: str, mask: torch.Tensor, layout: ThdLayout, validate) -> None:
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{op}: attention_mask must be bool, got {mask.dtype}")
+    if mask.dim() != 2 or mask.shape[0] != layout.batch_size:
+        raise ValueError(
+            f"{op}: attention_mask must be [B={layout.batch_size}, S], got shape {tuple(mask.shape)}"
+        )
+    if _should_validate(validate, mask):
+        counts = mask.sum(dim=1).cpu()
+        expected = torch.tensor(layout.lengths, dtype=counts.dtype)
+        if not torch.equal(counts, expected):
+            bad = int((counts != expected).nonzero()[0])
+            raise ValueError(
+                f"{op}: attention_mask row {bad} has {int(counts[bad])} valid tokens but the layout "
+                f"says {layout.lengths[bad]}"
+            )
+
+
+def _layout_on(op: str, layout: ThdLayout, t: torch.Tensor) -> ThdLayout:
+    if not isinstance(layout, ThdLayout):
+        raise TypeError(f"{op}: layout must be a verl_ops.ThdLayout, got {type(layout)}")
+    return layout.to(t.device)
+
+
+def preprocess_thd(
+    x: torch.Tensor,
+    layout: ThdLayout,
+    cp_rank: int = 0,
+    *,
+    attention_mask: torch.Tensor | None = None,
+    roll: bool = False,
+    validate: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pack a batch into this CP rank's THD rows.
+
+    Args:
+        x: a jagged nested tensor ``[B, j, *F]``; or its values ``[total_tokens, *F]`` (offsets are
+            the layout's ``cu_seqlens``); or, with ``attention_mask``, padded ``[B, S, *F]``.
+        layout: the micro-batch's :class:`ThdLayout`.
+        cp_rank: this rank in the context-parallel group, ``0 <= cp_rank < layout.cp_size``.
+        attention_mask: bool ``[B, S]``; valid tokens are ``x[i, attention_mask[i]]`` in order.
+        roll: next-token targets: padded position p holds token p+1, the last valid position
+            wraps to token 0. Position ids are not rolled.
+        validate: compare the data's per-sequence lengths with the layout (reads them to the host
+            when they live on a GPU). Default: on, except under torch.compile / CUDA-graph capture.
+
+    Returns:
+        ``packed [local_rows, *F]`` (x's dtype; zero in padding rows) and ``position_ids``
+        (int64 ``[local_rows]``: each row's position inside its padded sequence).
+    """
+    op = "preprocess_thd"
+    _check_cp_rank(op, layout, cp_rank)
+    layout = _layout_on(op, layout, x)
+    if x.is_nested:
+        if attention_mask is not None:
+            raise ValueError(f"{op}: attention_mask is for padded input, not for a nested tensor")
+        if x.size(0) != layout.batch_size:
+            raise ValueError(f"{op}: x has {x.size(0)} sequences but the layout has {layout.batch_size}")
+        offsets = x.offsets()
+        values = x.values()
+        if offsets is None or x._lengths is not None:
+            raise ValueError(f"{op}: x must be a contiguous jagged nested tensor (layout=torch.jagged)")
+        if _should_validate(validate, values) and not torch.equal(
+            offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64)
+        ):
+            raise ValueError(f"{op}: the nested tensor's offsets do not match the layout's cu_seqlens")
+    elif attention_mask is not None:
+        if x.dim() < 2 or tuple(x.shape[:2]) != tuple(attention_mask.shape):
+            raise ValueError(
+                f"{op}: padded x must be [B, S, *F] matching attention_mask {tuple(attention_mask.shape)}, "
+                f"got {tuple(x.shape)}"
+            )
+        _check_mask_lengths(op, attention_mask, layout, validate)
+        values = x
+    else:
+        values = x
+        if x.dim() < 1 or x.shape[0] != layout.total_tokens:
+            raise ValueError(
+                f"{op}: jagged values must be [total_tokens={layout.total_tokens}, *F], got {tuple(x.shape)}"
+            )
+    return _ops.preprocess_thd(
+        values,
+        layout.cu_seqlens,
+        layout.cu_seqlens_padded,
+        layout.local_rows,
+        layout.cp_size,
+        cp_rank,
+        layout.cp_layout,
+        bool(roll),
+        attention_mask,
+    )
+
+
+def postprocess_thd(
+    packed: torch.Tensor,
+    layout: ThdLayout,
+    cp_rank: int = 0,
+    *,
+    group=None,
+    attention_mask: torch.Tensor | None = None,
+    as_nested: bool = True,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Unpack model outputs back per sequence (inverse of :func:`preprocess_thd` on valid tokens).
+
+    Args:
+        packed: ``[local_rows, *F]`` when ``layout.cp_size == 1``; for ``cp_size > 1`` every
+            rank's shard, already gathered, ``[cp_size, local_rows, *F]``.
+        layout: the same :class:`ThdLayout` the batch was packed with.
+        cp_rank: this rank (kept for symmetry with the process-group path).
+        group: a CP process group; not supported by this call yet (pass gathered shards).
+        attention_mask: bool ``[B, S]``: return padded ``[B, S, *F]`` with zeros where it is false.
+        as_nested: without a mask, return a jagged nested tensor ``[B, j, *F]`` (default) or its
+            values ``[total_tokens, *F]``.
+
+    Gradients flow to ``packed`` (each shard receives the pack of the output gradient).
+    """
+    op = "postprocess_thd"
+    _check_cp_rank(op, layout, cp_rank)
+    layout = _layout_on(op, layout, packed)
+    if group is not None:
+        raise NotImplementedError(f"{op}: group= is not supported yet; pass all shards gathered")
+    if layout.cp_size > 1:
+        if packed.dim() < 2 or packed.shape[0] != layout.cp_size or packed.shape[1] != layout.local_rows:
+            raise ValueError(
+                f"{op}: with cp_size={layout.cp_size}, packed must hold every rank's shard as "
+                f"[cp_size, local_rows={layout.local_rows}, *F], got {tuple(packed.shape)}"
+            )
+        op_rank = -1
+    else:
+        if packed.dim() < 1 or packed.shape[0] != layout.local_rows:
+            raise ValueError(
+                f"{op}: packed must be [local_rows={layout.local_rows}, *F], got {tuple(packed.shape)}"
+            )
+        op_rank = 0
+    if attention_mask is not None:
+        _check_mask_lengths(op, attention_mask, layout, validate)
+    out = _ops.postprocess_thd(
+        packed,
+        layout.cu_seqlens,
+        layout.cu_seqlens_padded,
+        layout.total_tokens,
+        layout.cp_size,
+        op_rank,
+        layout.cp_layout,
+        False,
+        attention_mask,
+    )
+    if attention_mask is not None or not as_nested:
+        return out
+    return torch.nested.nested_tensor_from_jagged(
+        out,
+        offsets=layout.cu_seqlens.to(torch.int64),
+        min_seqlen=min(layout.lengths, default=0),
+        max_seqlen=layout.max_seqlen_unpadded,
+    )
