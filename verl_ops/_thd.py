@@ -178,11 +178,15 @@ def postprocess_thd(
     """Unpack model outputs back per sequence (inverse of :func:`preprocess_thd` on valid tokens).
 
     Args:
-        packed: ``[local_rows, *F]`` when ``layout.cp_size == 1``; for ``cp_size > 1`` every
-            rank's shard, already gathered, ``[cp_size, local_rows, *F]``.
+        packed: ``[local_rows, *F]`` when ``layout.cp_size == 1`` or a ``group`` is given;
+            otherwise (``cp_size > 1``) every rank's shard, already gathered,
+            ``[cp_size, local_rows, *F]``.
         layout: the same :class:`ThdLayout` the batch was packed with.
-        cp_rank: this rank (kept for symmetry with the process-group path).
-        group: a CP process group; not supported by this call yet (pass gathered shards).
+        cp_rank: this rank in the CP group.
+        group: the CP process group. With a group, ``packed`` is this rank's shard
+            ``[local_rows, *F]``; the shards are all-gathered (functional collectives, so this
+            traces under torch.compile) and the gradient reaches this rank's shard only (other
+            shards enter as constants, as in verl); no collective runs in backward.
         attention_mask: bool ``[B, S]``: return padded ``[B, S, *F]`` with zeros where it is false.
         as_nested: without a mask, return a jagged nested tensor ``[B, j, *F]`` (default) or its
             values ``[total_tokens, *F]``.
@@ -192,34 +196,30 @@ def postprocess_thd(
     op = "postprocess_thd"
     _check_cp_rank(op, layout, cp_rank)
     layout = _layout_on(op, layout, packed)
-    if group is not None:
-        raise NotImplementedError(f"{op}: group= is not supported yet; pass all shards gathered")
-    if layout.cp_size > 1:
-        if packed.dim() < 2 or packed.shape[0] != layout.cp_size or packed.shape[1] != layout.local_rows:
-            raise ValueError(
-                f"{op}: with cp_size={layout.cp_size}, packed must hold every rank's shard as "
-                f"[cp_size, local_rows={layout.local_rows}, *F], got {tuple(packed.shape)}"
-            )
-        op_rank = -1
+    if group is not None and layout.cp_size > 1:
+        out = _postprocess_over_group(op, packed, layout, cp_rank, group, attention_mask, validate)
     else:
-        if packed.dim() < 1 or packed.shape[0] != layout.local_rows:
-            raise ValueError(
-                f"{op}: packed must be [local_rows={layout.local_rows}, *F], got {tuple(packed.shape)}"
-            )
-        op_rank = 0
-    if attention_mask is not None:
-        _check_mask_lengths(op, attention_mask, layout, validate)
-    out = _ops.postprocess_thd(
-        packed,
-        layout.cu_seqlens,
-        layout.cu_seqlens_padded,
-        layout.total_tokens,
-        layout.cp_size,
-        op_rank,
-        layout.cp_layout,
-        False,
-        attention_mask,
-    )
+        if layout.cp_size > 1:
+            if packed.dim() < 2 or tuple(packed.shape[:2]) != (layout.cp_size, layout.local_rows):
+                raise ValueError(
+                    f"{op}: with cp_size={layout.cp_size} and no group, packed must hold every rank's "
+                    f"shard as [cp_size, local_rows={layout.local_rows}, *F], got {tuple(packed.shape)}"
+                )
+        elif packed.dim() < 1 or packed.shape[0] != layout.local_rows:
+            raise ValueError(f"{op}: packed must be [local_rows={layout.local_rows}, *F], got {tuple(packed.shape)}")
+        if attention_mask is not None:
+            _check_mask_lengths(op, attention_mask, layout, validate)
+        out = _ops.postprocess_thd(
+            packed,
+            layout.cu_seqlens,
+            layout.cu_seqlens_padded,
+            layout.total_tokens,
+            layout.cp_size,
+            -1 if layout.cp_size > 1 else 0,
+            layout.cp_layout,
+            False,
+            attention_mask,
+        )
     if attention_mask is not None or not as_nested:
         return out
     return torch.nested.nested_tensor_from_jagged(
@@ -227,4 +227,92 @@ def postprocess_thd(
         offsets=layout.cu_seqlens.to(torch.int64),
         min_seqlen=min(layout.lengths, default=0),
         max_seqlen=layout.max_seqlen_unpadded,
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Context parallel over a process group.
+
+
+def _layout_fingerprint(layout: ThdLayout) -> list:
+    """Small integer summary of a layout; equal on every rank iff the layouts agree (up to a
+    vanishingly unlikely hash collision of the offsets)."""
+    w = torch.arange(1, layout.batch_size + 2, dtype=torch.int64)
+    h1 = int((layout.cu_seqlens_cpu.to(torch.int64) * w).sum()) % (1 << 61)
+    h2 = int((layout.cu_seqlens_padded_cpu.to(torch.int64) * w * w).sum()) % (1 << 61)
+    return [layout.cp_size, layout.batch_size, layout.total_tokens, layout.total_padded, h1, h2]
+
+
+def check_layout_across_ranks(layout: ThdLayout, group, device) -> None:
+    """Raise on every rank when the ranks of ``group`` hold different layouts.
+
+    One fixed-size all-gather that every rank issues whatever its data, so a mismatch is an
+    error instead of a hang in the collective that follows.
+    """
+    import torch.distributed as dist
+
+    fp = torch.tensor(_layout_fingerprint(layout), dtype=torch.int64, device=device)
+    world = dist.get_world_size(group)
+    out = torch.empty(world * fp.numel(), dtype=torch.int64, device=device)
+    dist.all_gather_into_tensor(out, fp, group=group)
+    rows = out.view(world, fp.numel()).cpu()
+    if not bool((rows == rows[0]).all()):
+        raise RuntimeError(
+            "verl_ops: CP ranks disagree on the THD layout (cp_size, batch, tokens, padded rows, "
+            f"offset hashes per rank: {rows.tolist()})"
+        )
+
+
+class _UnpackLocalShard(torch.autograd.Function):
+    """Unpack gathered shards; the gradient goes to this rank's shard only (pack for cp_rank)."""
+
+    @staticmethod
+    def forward(ctx, local, gathered, cu, cu_padded, total_tokens, cp_size, cp_rank, cp_layout, mask):
+        ctx.save_for_backward(cu, cu_padded, mask)
+        ctx.meta = (local.shape[0], cp_size, cp_rank, cp_layout)
+        return _ops.postprocess_thd(gathered, cu, cu_padded, total_tokens, cp_size, -1, cp_layout, False, mask)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        cu, cu_padded, mask = ctx.saved_tensors
+        local_rows, cp_size, cp_rank, cp_layout = ctx.meta
+        grad_local, _ = _ops.preprocess_thd(
+            grad_out.contiguous(), cu, cu_padded, local_rows, cp_size, cp_rank, cp_layout, False, mask
+        )
+        return grad_local, None, None, None, None, None, None, None, None
+
+
+def _postprocess_over_group(op, packed, layout, cp_rank, group, attention_mask, validate):
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    if not torch.compiler.is_compiling():
+        world = dist.get_world_size(group)
+        if world != layout.cp_size:
+            raise ValueError(f"{op}: the group has {world} ranks but layout.cp_size is {layout.cp_size}")
+        me = dist.get_rank(group)
+        if me != cp_rank:
+            raise ValueError(f"{op}: cp_rank={cp_rank} but this process is rank {me} of the group")
+    if packed.dim() < 1 or packed.shape[0] != layout.local_rows:
+        raise ValueError(
+            f"{op}: with a group, packed is this rank's shard [local_rows={layout.local_rows}, *F], "
+            f"got {tuple(packed.shape)}"
+        )
+    if _should_validate(validate, packed):
+        check_layout_across_ranks(layout, group, packed.device)
+    if attention_mask is not None:
+        _check_mask_lengths(op, attention_mask, layout, validate)
+    local = packed.contiguous()
+    gathered = funcol.all_gather_tensor(local.detach(), gather_dim=0, group=group)
+    gathered = gathered.view(layout.cp_size, *local.shape)
+    return _UnpackLocalShard.apply(
+        local,
+        gathered,
+        layout.cu_seqlens,
+        layout.cu_seqlens_padded,
+        layout.total_tokens,
+        layout.cp_size,
+        cp_rank,
+        layout.cp_layout,
+        attention_mask,
     )
