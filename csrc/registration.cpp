@@ -1,6 +1,7 @@
 // The verl_ops API: every schema, and the kernels behind it for each dispatch key.
 #include <torch/library.h>
 
+#include "ops/jagged_ops.h"
 #include "ops/thd_ops.h"
 
 TORCH_LIBRARY(verl_ops, m) {
@@ -24,22 +25,35 @@ TORCH_LIBRARY(verl_ops, m) {
       "postprocess_thd(Tensor packed, Tensor cu_seqlens, Tensor cu_seqlens_padded, "
       "SymInt total_tokens, int cp_size=1, int cp_rank=-1, str cp_layout='zigzag', "
       "bool roll=False, Tensor? attention_mask=None) -> Tensor");
+  // Whole-sequence gather: output sequence j = rows [src_starts[j], src_starts[j] + len_j) of
+  // values, len_j from cu_seqlens_out (int32 [n + 1]). Selects a subset of a batch (dynamic CP
+  // split) or restores sample order (dynamic CP merge).
+  m.def("jagged_gather(Tensor values, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_out) -> Tensor");
+  // Adjoint of jagged_gather: rows go back where they were gathered from; zeros elsewhere.
+  m.def("jagged_scatter(Tensor grad, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_in) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   m.impl("thd_layout", &verl_ops::ops::thd_layout);
   m.impl("preprocess_thd", &verl_ops::ops::preprocess_thd_cpu);
   m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cpu);
+  m.impl("jagged_gather", &verl_ops::ops::jagged_gather_cpu);
+  m.impl("jagged_scatter", &verl_ops::ops::jagged_scatter_cpu);
 }
 
 TORCH_LIBRARY_IMPL(verl_ops, Meta, m) {
+  m.impl("thd_layout", TORCH_FN(verl_ops::ops::thd_layout_meta));
   m.impl("preprocess_thd", TORCH_FN(verl_ops::ops::preprocess_thd_meta));
   m.impl("postprocess_thd", TORCH_FN(verl_ops::ops::postprocess_thd_meta));
+  m.impl("jagged_gather", TORCH_FN(verl_ops::ops::jagged_gather_meta));
+  m.impl("jagged_scatter", TORCH_FN(verl_ops::ops::jagged_scatter_meta));
 }
 
 #ifdef VERL_OPS_WITH_CUDA
 TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   m.impl("preprocess_thd", &verl_ops::ops::preprocess_thd_cuda);
   m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cuda);
+  m.impl("jagged_gather", &verl_ops::ops::jagged_gather_cuda);
+  m.impl("jagged_scatter", &verl_ops::ops::jagged_scatter_cuda);
 }
 #endif

@@ -123,19 +123,28 @@ def preprocess_thd(
         (int64 ``[local_rows]``: each row's position inside its padded sequence).
     """
     op = "preprocess_thd"
-    _check_cp_rank(op, layout, cp_rank)
     layout = _layout_on(op, layout, x)
+    _check_cp_rank(op, layout, cp_rank)
     if x.is_nested:
         if attention_mask is not None:
             raise ValueError(f"{op}: attention_mask is for padded input, not for a nested tensor")
-        if x.size(0) != layout.batch_size:
-            raise ValueError(f"{op}: x has {x.size(0)} sequences but the layout has {layout.batch_size}")
-        offsets = x.offsets()
-        values = x.values()
-        if offsets is None or x._lengths is not None:
-            raise ValueError(f"{op}: x must be a contiguous jagged nested tensor (layout=torch.jagged)")
-        if _should_validate(validate, values) and not torch.equal(
-            offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64)
+        if torch.compiler.is_compiling() or x.requires_grad:
+            offsets, values = x.offsets(), x.values()
+        else:
+            if x.layout != torch.jagged or getattr(x, "_lengths", None) is not None:
+                raise ValueError(f"{op}: x must be a contiguous jagged nested tensor (layout=torch.jagged)")
+            # The same tensors as offsets() / values(), without their per-call dispatch cost.
+            offsets, values = x._offsets, x._values
+        if offsets.shape[0] - 1 != layout.batch_size:
+            raise ValueError(
+                f"{op}: x has {offsets.shape[0] - 1} sequences but the layout has {layout.batch_size}"
+            )
+        if (
+            offsets is not layout.source_offsets
+            and _should_validate(validate, values)
+            and not torch.equal(
+                offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64)
+            )
         ):
             raise ValueError(f"{op}: the nested tensor's offsets do not match the layout's cu_seqlens")
     elif attention_mask is not None:
@@ -194,8 +203,8 @@ def postprocess_thd(
     Gradients flow to ``packed`` (each shard receives the pack of the output gradient).
     """
     op = "postprocess_thd"
-    _check_cp_rank(op, layout, cp_rank)
     layout = _layout_on(op, layout, packed)
+    _check_cp_rank(op, layout, cp_rank)
     if group is not None and layout.cp_size > 1:
         out = _postprocess_over_group(op, packed, layout, cp_rank, group, attention_mask, validate)
     else:
@@ -225,7 +234,7 @@ def postprocess_thd(
     return torch.nested.nested_tensor_from_jagged(
         out,
         offsets=layout.cu_seqlens.to(torch.int64),
-        min_seqlen=min(layout.lengths, default=0),
+        min_seqlen=layout.min_seqlen_unpadded,
         max_seqlen=layout.max_seqlen_unpadded,
     )
 

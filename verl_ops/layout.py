@@ -61,9 +61,13 @@ class ThdLayout:
     cu_seqlens_padded: torch.Tensor = field(repr=False)
     max_seqlen: int
     max_seqlen_unpadded: int
+    min_seqlen_unpadded: int
     total_tokens: int
     total_padded: int
     local_rows: int
+    # The offsets tensor of the nested tensor this layout was built from (see from_nested):
+    # packing that same nested tensor needs no re-validation of its offsets.
+    source_offsets: torch.Tensor | None = field(default=None, repr=False)
 
     @classmethod
     def from_lengths(
@@ -109,6 +113,8 @@ class ThdLayout:
             align = math.lcm(16, align)
         total_padded = int(cu_padded[-1])
         device = torch.device(device)
+        # One host-to-device copy for both offset tensors.
+        both = torch.stack([cu, cu_padded]).to(device)
         return cls(
             lengths=lens,
             tp_size=tp_size,
@@ -120,14 +126,28 @@ class ThdLayout:
             align=align,
             cu_seqlens_cpu=cu,
             cu_seqlens_padded_cpu=cu_padded,
-            cu_seqlens=cu.to(device),
-            cu_seqlens_padded=cu_padded.to(device),
+            cu_seqlens=both[0],
+            cu_seqlens_padded=both[1],
             max_seqlen=max(padded, default=0),
             max_seqlen_unpadded=max(lens, default=0),
+            min_seqlen_unpadded=min(lens, default=0),
             total_tokens=int(cu[-1]),
             total_padded=total_padded,
             local_rows=total_padded // cp_size,
         )
+
+    @classmethod
+    def from_nested(cls, x: torch.Tensor, **kwargs) -> ThdLayout:
+        """Layout of a jagged nested tensor's sequences (same keyword arguments as from_lengths).
+
+        The layout remembers ``x``'s offsets, so preprocess_thd(x, layout) skips re-checking them.
+        """
+        if not (isinstance(x, torch.Tensor) and x.is_nested):
+            raise ValueError(f"ThdLayout.from_nested: x must be a jagged nested tensor, got {type(x)}")
+        offsets = x.offsets()
+        layout = cls.from_lengths(offsets.diff(), **kwargs)
+        object.__setattr__(layout, "source_offsets", offsets)
+        return layout
 
     @property
     def batch_size(self) -> int:
@@ -148,8 +168,8 @@ class ThdLayout:
         if device == self.device:
             return self
         d = dict(self.__dict__)
-        d["cu_seqlens"] = self.cu_seqlens_cpu.to(device)
-        d["cu_seqlens_padded"] = self.cu_seqlens_padded_cpu.to(device)
+        both = torch.stack([self.cu_seqlens_cpu, self.cu_seqlens_padded_cpu]).to(device)
+        d["cu_seqlens"], d["cu_seqlens_padded"] = both[0], both[1]
         return ThdLayout(**d)
 
     def same_as(self, other: ThdLayout) -> bool:

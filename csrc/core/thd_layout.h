@@ -143,9 +143,18 @@ inline int64_t gcd64(int64_t a, int64_t b) {
   return a < 0 ? -a : a;
 }
 
-inline int64_t lcm64(int64_t a, int64_t b) { return a / gcd64(a, b) * b; }
+// Checked arithmetic: layout sizes come from user arguments, and an overflow must become an
+// error, never a wrapped (or zero) alignment.
+inline bool mul_ok(int64_t a, int64_t b, int64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
-inline int64_t ceil_to(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+inline bool lcm_ok(int64_t a, int64_t b, int64_t* out) { return mul_ok(a / gcd64(a, b), b, out); }
+
+// Smallest multiple of m (> 0) that is >= x (>= 0).
+inline bool ceil_to_ok(int64_t x, int64_t m, int64_t* out) {
+  int64_t sum;
+  if (__builtin_add_overflow(x, m - 1, &sum)) return false;
+  return mul_ok(sum / m, m, out);
+}
 
 struct LayoutParams {
   int64_t tp_size = 1;
@@ -156,35 +165,37 @@ struct LayoutParams {
   int64_t pad_to_length_bucket = -1;  // < 0: not set (0 is rejected by the caller)
 };
 
-// Fills padded[i] for every sequence; returns the per-sequence alignment that was used.
-// Rules 1-6 of OPS.md section 1. `padded` must have room for n entries.
-inline int64_t compute_padded_lengths(const int64_t* lengths, int64_t n, const LayoutParams& p,
-                                      int64_t* padded) {
+// Fills padded[i] for every sequence (rules 1-6 of OPS.md section 1); `padded` must have room
+// for n entries. Returns false when a size overflows int64 (the caller reports it).
+inline bool compute_padded_lengths(const int64_t* lengths, int64_t n, const LayoutParams& p,
+                                   int64_t* padded) {
   const int64_t factor = (p.layout == CpLayout::kZigzag && p.cp_size > 1) ? 2 : 1;
-  int64_t align = p.tp_size * p.cp_size * factor;
-  int64_t total_align = 1;
+  int64_t align, total_align = 1;
+  if (!mul_ok(p.tp_size, p.cp_size, &align) || !mul_ok(align, factor, &align)) return false;
   if (p.fp8_padding) {
-    total_align = align * 128;
-    align = lcm64(16, align);
+    if (!mul_ok(align, 128, &total_align) || !lcm_ok(16, align, &align)) return false;
   }
   int64_t total = 0;
   for (int64_t i = 0; i < n; ++i) {
-    padded[i] = ceil_to(lengths[i], align);
-    total += padded[i];
+    if (!ceil_to_ok(lengths[i], align, &padded[i])) return false;
+    if (__builtin_add_overflow(total, padded[i], &total)) return false;
   }
-  if (n == 0) return align;
+  if (n == 0) return true;
   int64_t target = total;
-  if (p.fp8_padding) target = ceil_to(target, total_align);
-  if (p.min_local_rows >= 0 && target < p.cp_size * p.min_local_rows) {
-    target = p.cp_size * p.min_local_rows;
+  if (p.fp8_padding && !ceil_to_ok(target, total_align, &target)) return false;
+  if (p.min_local_rows >= 0) {
+    int64_t min_total;
+    if (!mul_ok(p.cp_size, p.min_local_rows, &min_total)) return false;
+    if (target < min_total) target = min_total;
   }
   if (p.pad_to_length_bucket > 0) {
-    int64_t m = lcm64(p.pad_to_length_bucket, p.cp_size);
-    if (p.fp8_padding) m = lcm64(m, total_align);
-    target = ceil_to(target, m);
+    int64_t m;
+    if (!lcm_ok(p.pad_to_length_bucket, p.cp_size, &m)) return false;
+    if (p.fp8_padding && !lcm_ok(m, total_align, &m)) return false;
+    if (!ceil_to_ok(target, m, &target)) return false;
   }
   padded[n - 1] += target - total;
-  return align;
+  return true;
 }
 
 }  // namespace core

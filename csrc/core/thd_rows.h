@@ -90,3 +90,27 @@ VERL_HD int64_t unpack_source_row(const UnpackPlan& p, int64_t out_row) {
 
 }  // namespace core
 }  // namespace verl_ops
+
+namespace verl_ops {
+namespace core {
+
+// Jagged row gather: output sequence j is rows [src_starts[j], src_starts[j] + len_j) of the
+// input, len_j = cu_out[j+1] - cu_out[j]. Used to select a subset of a batch (dynamic CP split)
+// and to put gathered outputs back in sample order (dynamic CP merge).
+struct JaggedGatherPlan {
+  const int64_t* src_starts;  // [n_out]; negative: the sequence comes out zero
+  const int32_t* cu_out;      // [n_out + 1]
+  int64_t num_out_seqs;
+  int64_t src_rows;
+};
+
+VERL_HD int64_t jagged_source_row(const JaggedGatherPlan& p, int64_t out_row) {
+  if (p.num_out_seqs <= 0 || out_row >= p.cu_out[p.num_out_seqs]) return -1;
+  const int64_t j = upper_segment(p.cu_out, p.num_out_seqs, out_row);
+  if (p.src_starts[j] < 0) return -1;
+  const int64_t src = p.src_starts[j] + (out_row - p.cu_out[j]);
+  return src < p.src_rows ? src : -1;
+}
+
+}  // namespace core
+}  // namespace verl_ops

@@ -32,5 +32,20 @@ void unpack_rows(const core::UnpackPlan& plan, const char* src, char* dst, int64
   }
 }
 
+void jagged_gather_rows(const core::JaggedGatherPlan& plan, const char* src, char* dst,
+                        int64_t row_bytes, int64_t row_begin, int64_t row_end) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    copy_or_zero(dst + r * row_bytes, src, core::jagged_source_row(plan, r), row_bytes);
+  }
+}
+
+void jagged_scatter_rows(const core::JaggedGatherPlan& plan, const char* src, char* dst,
+                         int64_t row_bytes, int64_t row_begin, int64_t row_end) {
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const int64_t d = core::jagged_source_row(plan, r);
+    if (d >= 0) std::memcpy(dst + d * row_bytes, src + r * row_bytes, static_cast<size_t>(row_bytes));
+  }
+}
+
 }  // namespace cpu
 }  // namespace verl_ops

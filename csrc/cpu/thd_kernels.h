@@ -1,4 +1,4 @@
-// CPU pack / unpack kernels: raw pointers and sizes, no ATen.
+// CPU row kernels: raw pointers and sizes, no ATen.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,15 @@ void pack_rows(const core::PackPlan& plan, const char* src, char* dst, int64_t* 
 // Writes output rows [row_begin, row_end) of an unpack.
 void unpack_rows(const core::UnpackPlan& plan, const char* src, char* dst, int64_t row_bytes,
                  int64_t row_begin, int64_t row_end);
+
+// Jagged gather of output rows [row_begin, row_end).
+void jagged_gather_rows(const core::JaggedGatherPlan& plan, const char* src, char* dst,
+                        int64_t row_bytes, int64_t row_begin, int64_t row_end);
+
+// Adjoint of the gather: input rows [row_begin, row_end) of `src` (shaped like the gather's
+// output) go to the rows they were gathered from; `dst` must be zeroed beforehand.
+void jagged_scatter_rows(const core::JaggedGatherPlan& plan, const char* src, char* dst,
+                         int64_t row_bytes, int64_t row_begin, int64_t row_end);
 
 }  // namespace cpu
 }  // namespace verl_ops

@@ -1,9 +1,11 @@
-// Fused row-gather kernels for THD pack / unpack.
+// Fused row-gather kernels for THD pack / unpack and jagged gather / scatter.
 //
-// Each output row is resolved to its input row once (binary search over cu_seqlens, shared
-// with the CPU path through core/thd_rows.h) and copied with the widest vector the row size
-// and pointer alignment allow. A group of `threads_per_row` threads owns one row; narrow rows
-// (ids) get one thread each, wide rows (hidden states) up to a whole block.
+// A block owns a tile of consecutive output rows. First each row of the tile is resolved to
+// its input row once (binary search over cu_seqlens, shared with the CPU path through
+// core/thd_rows.h) into shared memory; then the whole block copies the tile as one flat run of
+// 16-byte (or narrower) vectors, several loads in flight per thread. Flat copying keeps every
+// lane busy whatever the row size: 8-byte id rows, 768-byte router rows and 8 KB hidden rows
+// all move at full width, and the output side is one contiguous run per tile.
 #include "thd_kernels.h"
 
 #include <algorithm>
@@ -15,6 +17,7 @@ namespace {
 
 constexpr int kBlock = 256;
 constexpr int kUnroll = 4;
+constexpr int kVecsPerThread = 8;  // target tile size: kBlock * kVecsPerThread vectors
 
 template <typename Vec>
 __device__ __forceinline__ Vec zero_vec() {
@@ -25,60 +28,89 @@ __device__ __forceinline__ Vec zero_vec() {
   return v;
 }
 
-// Copies (or zeroes) `vecs` vectors of one row; lane strides by `tpr`, with kUnroll loads in
-// flight before the first store.
-template <typename Vec>
-__device__ __forceinline__ void copy_row(const Vec* __restrict__ src, Vec* __restrict__ dst,
-                                         int64_t vecs, int lane, int tpr) {
-  if (src == nullptr) {
-    const Vec z = zero_vec<Vec>();
-    for (int64_t v = lane; v < vecs; v += tpr) dst[v] = z;
-    return;
+// Walks flat vector indices tid, tid + kBlock, ... of a tile as (row, vec) pairs without a
+// division per step: kBlock = step_rows * vecs + step_vecs.
+struct FlatCursor {
+  int32_t r, v;
+  __device__ __forceinline__ void advance(int32_t vecs, int32_t step_rows, int32_t step_vecs) {
+    r += step_rows;
+    v += step_vecs;
+    if (v >= vecs) {
+      v -= vecs;
+      ++r;
+    }
   }
-  int64_t v = lane;
-  for (; v + (kUnroll - 1) * tpr < vecs; v += kUnroll * tpr) {
-    Vec buf[kUnroll];
+};
+
+// A resolver maps an output row to its input row (-1: zero row). With kScatter the roles swap:
+// input row r goes to output row resolve(r) (the adjoint of a gather; output pre-zeroed).
+template <typename Vec, typename Resolve, bool kScatter>
+__global__ void __launch_bounds__(kBlock) rows_kernel(Resolve resolve, const Vec* __restrict__ src,
+                                                      Vec* __restrict__ dst, int64_t rows,
+                                                      int32_t vecs, int32_t tile_rows) {
+  __shared__ int64_t tile_src[kBlock];
+  // vecs == 0: empty rows, only the resolver runs (pack still writes position ids).
+  const int32_t step_rows = vecs > 0 ? kBlock / vecs : 0;
+  const int32_t step_vecs = kBlock - step_rows * vecs;
+  const int64_t num_tiles = (rows + tile_rows - 1) / tile_rows;
+  for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
+    const int64_t row0 = tile * tile_rows;
+    const int32_t n = static_cast<int32_t>(rows - row0 < tile_rows ? rows - row0 : tile_rows);
+    if (threadIdx.x < n) tile_src[threadIdx.x] = resolve(row0 + threadIdx.x);
+    __syncthreads();
+    const int64_t total = static_cast<int64_t>(n) * vecs;
+    const int64_t base = row0 * vecs;  // the tile's first vector on the row-major side
+    FlatCursor c{vecs > 0 ? static_cast<int32_t>(threadIdx.x / vecs) : 0,
+                 vecs > 0 ? static_cast<int32_t>(threadIdx.x % vecs) : 0};
+    int64_t i = threadIdx.x;
+    for (; i + (kUnroll - 1) * kBlock < total; i += kUnroll * kBlock) {
+      Vec buf[kUnroll];
+      int64_t other[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) buf[u] = __ldg(src + v + u * tpr);
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t s = tile_src[c.r];
+        other[u] = s >= 0 ? s * vecs + c.v : -1;
+        if (!kScatter) buf[u] = other[u] >= 0 ? __ldg(src + other[u]) : zero_vec<Vec>();
+        if (kScatter) buf[u] = __ldg(src + base + i + u * kBlock);
+        c.advance(vecs, step_rows, step_vecs);
+      }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) dst[v + u * tpr] = buf[u];
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!kScatter) dst[base + i + u * kBlock] = buf[u];
+        if (kScatter && other[u] >= 0) dst[other[u]] = buf[u];
+      }
+    }
+    for (; i < total; i += kBlock) {
+      const int64_t s = tile_src[c.r];
+      const int64_t o = s >= 0 ? s * vecs + c.v : -1;
+      if (!kScatter) dst[base + i] = o >= 0 ? __ldg(src + o) : zero_vec<Vec>();
+      if (kScatter && o >= 0) dst[o] = __ldg(src + base + i);
+      c.advance(vecs, step_rows, step_vecs);
+    }
+    __syncthreads();
   }
-  for (; v < vecs; v += tpr) dst[v] = __ldg(src + v);
 }
 
-template <typename Vec>
-__global__ void __launch_bounds__(kBlock) pack_kernel(core::PackPlan plan,
-                                                      const Vec* __restrict__ src,
-                                                      Vec* __restrict__ dst,
-                                                      int64_t* __restrict__ positions,
-                                                      int64_t out_rows, int64_t vecs_per_row,
-                                                      int tpr) {
-  const int rows_per_block = kBlock / tpr;
-  const int lane = threadIdx.x % tpr;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / tpr;
-       row < out_rows; row += static_cast<int64_t>(gridDim.x) * rows_per_block) {
+struct PackResolve {
+  core::PackPlan plan;
+  int64_t* positions;
+  __device__ int64_t operator()(int64_t row) const {
     int64_t pos = 0;
     const int64_t s = core::pack_source_row(plan, row, &pos);
-    if (positions != nullptr && lane == 0) positions[row] = pos;
-    copy_row<Vec>(s >= 0 ? src + s * vecs_per_row : nullptr, dst + row * vecs_per_row,
-                  vecs_per_row, lane, tpr);
+    if (positions != nullptr) positions[row] = pos;
+    return s;
   }
-}
+};
 
-template <typename Vec>
-__global__ void __launch_bounds__(kBlock) unpack_kernel(core::UnpackPlan plan,
-                                                        const Vec* __restrict__ src,
-                                                        Vec* __restrict__ dst, int64_t out_rows,
-                                                        int64_t vecs_per_row, int tpr) {
-  const int rows_per_block = kBlock / tpr;
-  const int lane = threadIdx.x % tpr;
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * rows_per_block + threadIdx.x / tpr;
-       row < out_rows; row += static_cast<int64_t>(gridDim.x) * rows_per_block) {
-    const int64_t s = core::unpack_source_row(plan, row);
-    copy_row<Vec>(s >= 0 ? src + s * vecs_per_row : nullptr, dst + row * vecs_per_row,
-                  vecs_per_row, lane, tpr);
-  }
-}
+struct UnpackResolve {
+  core::UnpackPlan plan;
+  __device__ int64_t operator()(int64_t row) const { return core::unpack_source_row(plan, row); }
+};
+
+struct JaggedResolve {
+  core::JaggedGatherPlan plan;
+  __device__ int64_t operator()(int64_t row) const { return core::jagged_source_row(plan, row); }
+};
 
 // Widest power-of-two vector (<= 16 bytes) dividing the row size and both base addresses.
 int vector_bytes(const void* a, const void* b, int64_t row_bytes) {
@@ -90,74 +122,63 @@ int vector_bytes(const void* a, const void* b, int64_t row_bytes) {
   return 1;
 }
 
-struct LaunchShape {
-  int tpr;
-  unsigned grid;
-};
-
-LaunchShape launch_shape(int64_t out_rows, int64_t vecs_per_row) {
-  // Threads per row: a power of two covering the row, at most one block. Rows narrower than
-  // a vector-group waste lanes, so round down when that keeps >= 3/4 of lanes busy.
-  int tpr = 1;
-  while (tpr < kBlock && tpr * 2 <= vecs_per_row) tpr *= 2;
-  const int64_t rows_per_block = kBlock / tpr;
-  int64_t blocks = (out_rows + rows_per_block - 1) / rows_per_block;
-  // Enough blocks to fill the device several times over; the grid-stride loop does the rest.
+template <typename Vec, typename Resolve, bool kScatter>
+cudaError_t launch_with(const Resolve& resolve, const void* src, void* dst, int64_t rows,
+                        int64_t row_bytes, cudaStream_t stream) {
+  const int64_t vecs64 = row_bytes / static_cast<int64_t>(sizeof(Vec));
+  if (vecs64 > (int64_t{1} << 30)) return cudaErrorInvalidValue;
+  const int32_t vecs = static_cast<int32_t>(vecs64);
+  const int32_t tile_rows =
+      static_cast<int32_t>(std::clamp<int64_t>(kBlock * kVecsPerThread / std::max<int64_t>(vecs64, 1), 1, kBlock));
+  const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) == cudaSuccess) {
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   }
-  blocks = std::max<int64_t>(1, std::min<int64_t>(blocks, static_cast<int64_t>(sms) * 32));
-  return LaunchShape{tpr, static_cast<unsigned>(blocks)};
-}
-
-template <typename Vec>
-cudaError_t pack_with(const core::PackPlan& plan, const void* src, void* dst, int64_t* positions,
-                      int64_t out_rows, int64_t row_bytes, cudaStream_t stream) {
-  const int64_t vecs = row_bytes / static_cast<int64_t>(sizeof(Vec));
-  const LaunchShape ls = launch_shape(out_rows, vecs);
-  pack_kernel<Vec><<<ls.grid, kBlock, 0, stream>>>(plan, static_cast<const Vec*>(src),
-                                                   static_cast<Vec*>(dst), positions, out_rows,
-                                                   vecs, ls.tpr);
+  // Enough blocks to fill the device several times over; the tile loop does the rest.
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(tiles, static_cast<int64_t>(sms) * 16));
+  rows_kernel<Vec, Resolve, kScatter><<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(
+      resolve, static_cast<const Vec*>(src), static_cast<Vec*>(dst), rows, vecs, tile_rows);
   return cudaGetLastError();
 }
 
-template <typename Vec>
-cudaError_t unpack_with(const core::UnpackPlan& plan, const void* src, void* dst,
-                        int64_t out_rows, int64_t row_bytes, cudaStream_t stream) {
-  const int64_t vecs = row_bytes / static_cast<int64_t>(sizeof(Vec));
-  const LaunchShape ls = launch_shape(out_rows, vecs);
-  unpack_kernel<Vec><<<ls.grid, kBlock, 0, stream>>>(plan, static_cast<const Vec*>(src),
-                                                     static_cast<Vec*>(dst), out_rows, vecs,
-                                                     ls.tpr);
-  return cudaGetLastError();
+// row_bytes may be 0 (an empty feature shape): the resolver still runs (pack writes positions).
+template <typename Resolve, bool kScatter = false>
+cudaError_t launch_rows(const Resolve& resolve, const void* src, void* dst, int64_t rows,
+                        int64_t row_bytes, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  switch (row_bytes > 0 ? vector_bytes(src, dst, row_bytes) : 16) {
+    case 16: return launch_with<uint4, Resolve, kScatter>(resolve, src, dst, rows, row_bytes, stream);
+    case 8: return launch_with<uint2, Resolve, kScatter>(resolve, src, dst, rows, row_bytes, stream);
+    case 4: return launch_with<uint32_t, Resolve, kScatter>(resolve, src, dst, rows, row_bytes, stream);
+    case 2: return launch_with<unsigned short, Resolve, kScatter>(resolve, src, dst, rows, row_bytes, stream);
+    default: return launch_with<char, Resolve, kScatter>(resolve, src, dst, rows, row_bytes, stream);
+  }
 }
 
 }  // namespace
 
 cudaError_t launch_pack(const core::PackPlan& plan, const void* src, void* dst, int64_t* positions,
                         int64_t out_rows, int64_t row_bytes, cudaStream_t stream) {
-  if (out_rows == 0) return cudaSuccess;
-  // row_bytes may be 0 (an empty feature shape): positions are still written.
-  switch (row_bytes > 0 ? vector_bytes(src, dst, row_bytes) : 16) {
-    case 16: return pack_with<uint4>(plan, src, dst, positions, out_rows, row_bytes, stream);
-    case 8: return pack_with<uint2>(plan, src, dst, positions, out_rows, row_bytes, stream);
-    case 4: return pack_with<uint32_t>(plan, src, dst, positions, out_rows, row_bytes, stream);
-    case 2: return pack_with<unsigned short>(plan, src, dst, positions, out_rows, row_bytes, stream);
-    default: return pack_with<char>(plan, src, dst, positions, out_rows, row_bytes, stream);
-  }
+  return launch_rows(PackResolve{plan, positions}, src, dst, out_rows, row_bytes, stream);
 }
 
 cudaError_t launch_unpack(const core::UnpackPlan& plan, const void* src, void* dst,
                           int64_t out_rows, int64_t row_bytes, cudaStream_t stream) {
-  if (out_rows == 0 || row_bytes == 0) return cudaSuccess;
-  switch (vector_bytes(src, dst, row_bytes)) {
-    case 16: return unpack_with<uint4>(plan, src, dst, out_rows, row_bytes, stream);
-    case 8: return unpack_with<uint2>(plan, src, dst, out_rows, row_bytes, stream);
-    case 4: return unpack_with<uint32_t>(plan, src, dst, out_rows, row_bytes, stream);
-    case 2: return unpack_with<unsigned short>(plan, src, dst, out_rows, row_bytes, stream);
-    default: return unpack_with<char>(plan, src, dst, out_rows, row_bytes, stream);
-  }
+  if (row_bytes == 0) return cudaSuccess;
+  return launch_rows(UnpackResolve{plan}, src, dst, out_rows, row_bytes, stream);
+}
+
+cudaError_t launch_jagged_gather(const core::JaggedGatherPlan& plan, const void* src, void* dst,
+                                 int64_t out_rows, int64_t row_bytes, cudaStream_t stream) {
+  if (row_bytes == 0) return cudaSuccess;
+  return launch_rows(JaggedResolve{plan}, src, dst, out_rows, row_bytes, stream);
+}
+
+cudaError_t launch_jagged_scatter(const core::JaggedGatherPlan& plan, const void* src, void* dst,
+                                  int64_t src_rows, int64_t row_bytes, cudaStream_t stream) {
+  if (row_bytes == 0) return cudaSuccess;
+  return launch_rows<JaggedResolve, true>(JaggedResolve{plan}, src, dst, src_rows, row_bytes, stream);
 }
 
 }  // namespace cuda

@@ -63,12 +63,12 @@ void check_host_layout(const char* op, const at::Tensor& cu, const at::Tensor& c
 
 void check_host_mask(const char* op, const at::Tensor& mask_csum, const at::Tensor& cu) {
   const int64_t B = mask_csum.size(0), S = mask_csum.size(1);
-  if (S == 0) return;
-  const int32_t* m = mask_csum.data_ptr<int32_t>();
+  const int32_t* m = S > 0 ? mask_csum.data_ptr<int32_t>() : nullptr;
   const int32_t* c = cu.data_ptr<int32_t>();
   for (int64_t i = 0; i < B; ++i) {
-    TORCH_CHECK(m[i * S + S - 1] == c[i + 1] - c[i], op, ": attention_mask row ", i, " has ",
-                m[i * S + S - 1], " valid tokens but the layout says ", c[i + 1] - c[i]);
+    const int64_t count = S > 0 ? m[i * S + S - 1] : 0;
+    TORCH_CHECK(count == c[i + 1] - c[i], op, ": attention_mask row ", i, " has ", count,
+                " valid tokens but the layout says ", c[i + 1] - c[i]);
   }
 }
 
@@ -138,7 +138,9 @@ std::tuple<at::Tensor, at::Tensor> thd_layout(const at::Tensor& lengths, int64_t
     TORCH_CHECK(l[i] >= 0, op, ": lengths must be >= 0, got ", l[i], " at index ", i);
   }
   std::vector<int64_t> padded(static_cast<size_t>(B));
-  core::compute_padded_lengths(l, B, p, padded.data());
+  TORCH_CHECK(core::compute_padded_lengths(l, B, p, padded.data()), op,
+              ": the padded sizes overflow int64 (tp_size=", tp_size, ", cp_size=", cp_size,
+              ", min_local_rows / pad_to_length_bucket too large); totals must fit int32");
   TORCH_CHECK(B > 0 || p.min_local_rows <= 0, op,
               ": min_local_rows needs at least one sequence to pad, got an empty batch");
 
@@ -165,6 +167,19 @@ std::tuple<at::Tensor, at::Tensor> thd_layout(const at::Tensor& lengths, int64_t
   TORCH_CHECK(acc_padded % cp_size == 0, op, ": padded total ", acc_padded,
               " is not divisible by cp_size=", cp_size);
   return {cu, cu_padded};
+}
+
+std::tuple<at::Tensor, at::Tensor> thd_layout_meta(const at::Tensor& lengths, int64_t tp_size,
+                                                   int64_t cp_size, const std::string& cp_layout,
+                                                   bool fp8_padding,
+                                                   std::optional<int64_t> min_local_rows,
+                                                   std::optional<int64_t> pad_to_length_bucket) {
+  (void)tp_size, (void)cp_size, (void)fp8_padding, (void)min_local_rows, (void)pad_to_length_bucket;
+  parse_layout("thd_layout", cp_layout);
+  TORCH_CHECK(lengths.dim() == 1, "thd_layout: lengths must be 1-D, got shape ", lengths.sym_sizes());
+  const auto n = lengths.sym_size(0) + 1;
+  const auto opts = lengths.options().dtype(at::kInt);
+  return {at::empty_symint({n}, opts), at::empty_symint({n}, opts)};
 }
 
 PackCall prepare_pack(const at::Tensor& values, const at::Tensor& cu_seqlens,

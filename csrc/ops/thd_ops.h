@@ -18,6 +18,12 @@ std::tuple<at::Tensor, at::Tensor> thd_layout(const at::Tensor& lengths, int64_t
                                               std::optional<int64_t> min_local_rows,
                                               std::optional<int64_t> pad_to_length_bucket);
 
+std::tuple<at::Tensor, at::Tensor> thd_layout_meta(const at::Tensor& lengths, int64_t tp_size,
+                                                   int64_t cp_size, const std::string& cp_layout,
+                                                   bool fp8_padding,
+                                                   std::optional<int64_t> min_local_rows,
+                                                   std::optional<int64_t> pad_to_length_bucket);
+
 // Everything a device implementation needs, after the checks.
 struct PackCall {
   at::Tensor values;  // contiguous

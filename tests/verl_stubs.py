@@ -1,0 +1,117 @@
+"""Minimal stand-ins for the parts of megatron-core that verl's THD helpers touch.
+
+``install_megatron_stub(monkeypatch, ...)`` puts fake ``megatron``, ``megatron.core``,
+``megatron.core.parallel_state`` and ``megatron.core.packed_seq_params`` modules into
+``sys.modules`` (undone by the monkeypatch) and returns a :class:`ParallelConfig` whose fields
+(tp, cp, cp_rank, ...) the fake ``parallel_state`` reads on every call.
+
+``fake_all_gather(shards, rank)`` returns a drop-in for ``torch.distributed.all_gather`` that fills
+the other ranks' shards from precomputed tensors, so CP > 1 postprocessing runs in one process.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    cp: int = 1
+    cp_rank: int = 0
+    cp_group: object = "cp-group"
+    # dynamic CP: group handed out by get_dynamic_data_context_parallel_groups, and this rank in it
+    dynamic_group: object = None
+    dynamic_rank: int = 0
+
+
+@dataclass
+class PackedSeqParams:
+    """megatron-core's PackedSeqParams as of core 0.16 (no cp_partition_mode)."""
+
+    qkv_format: str = None
+    cu_seqlens_q: torch.Tensor = None
+    cu_seqlens_kv: torch.Tensor = None
+    cu_seqlens_q_padded: torch.Tensor = None
+    cu_seqlens_kv_padded: torch.Tensor = None
+    max_seqlen_q: int = None
+    max_seqlen_kv: int = None
+    local_cp_size: int = None
+    cp_group: object = None
+
+
+@dataclass
+class PackedSeqParamsWithPartitionMode(PackedSeqParams):
+    """Newer megatron-core: also records how CP rows were partitioned."""
+
+    cp_partition_mode: str = "zigzag"
+
+
+class DynamicGroup:
+    """Sentinel process group for dynamic CP."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __repr__(self):
+        return f"DynamicGroup(size={self.size})"
+
+
+def _parallel_state_module(cfg: ParallelConfig) -> types.ModuleType:
+    ps = types.ModuleType("megatron.core.parallel_state")
+    ps.get_tensor_model_parallel_world_size = lambda: cfg.tp
+    ps.get_context_parallel_world_size = lambda: cfg.cp
+    ps.get_context_parallel_rank = lambda: cfg.cp_rank
+    ps.get_context_parallel_group = lambda: cfg.cp_group
+
+    def get_dynamic_data_context_parallel_groups(group_size):
+        if cfg.dynamic_group is None or cfg.dynamic_group.size != group_size:
+            cfg.dynamic_group = DynamicGroup(group_size)
+        return cfg.dynamic_group
+
+    ps.get_dynamic_data_context_parallel_groups = get_dynamic_data_context_parallel_groups
+    return ps
+
+
+def install_megatron_stub(monkeypatch, *, cp_partition_mode: bool = True) -> ParallelConfig:
+    cfg = ParallelConfig()
+    megatron = types.ModuleType("megatron")
+    core = types.ModuleType("megatron.core")
+    ps = _parallel_state_module(cfg)
+    psp = types.ModuleType("megatron.core.packed_seq_params")
+    psp.PackedSeqParams = PackedSeqParamsWithPartitionMode if cp_partition_mode else PackedSeqParams
+    megatron.core = core
+    core.parallel_state = ps
+    core.packed_seq_params = psp
+    for name, mod in (
+        ("megatron", megatron),
+        ("megatron.core", core),
+        ("megatron.core.parallel_state", ps),
+        ("megatron.core.packed_seq_params", psp),
+    ):
+        monkeypatch.setitem(sys.modules, name, mod)
+    return cfg
+
+
+def fake_all_gather(shards, rank: int, calls: list | None = None):
+    """``torch.distributed.all_gather`` for one process: rank ``j``'s tensor is ``shards[j]``.
+
+    Checks that the caller contributes exactly its own shard (``shards[rank]``) and that it is
+    detached, like verl's all-gather of ``output.detach()``.
+    """
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        assert len(tensor_list) == len(shards), (len(tensor_list), len(shards))
+        assert not tensor.requires_grad, "all_gather must receive a detached tensor"
+        assert torch.equal(tensor, shards[rank]), "this rank must contribute its own shard"
+        for dst, src in zip(tensor_list, shards):
+            assert dst.shape == src.shape and dst.dtype == src.dtype
+            dst.copy_(src)
+        if calls is not None:
+            calls.append(group)
+
+    return all_gather
