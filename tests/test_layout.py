@@ -109,7 +109,8 @@ def test_rejection_happens(rng):
         ThdLayout.from_lengths([5, 1, 1], cp_size=2, pad_to_length_bucket=3)
     # The same paddings are fine for the contiguous layout.
     assert ThdLayout.from_lengths([3], cp_size=2, cp_layout="contiguous", min_local_rows=3).total_padded == 6
-    assert ThdLayout.from_lengths([5, 1, 1], cp_size=2, cp_layout="contiguous", pad_to_length_bucket=3).total_padded == 12
+    contiguous = ThdLayout.from_lengths([5, 1, 1], cp_size=2, cp_layout="contiguous", pad_to_length_bucket=3)
+    assert contiguous.total_padded == 12
 
 
 @pytest.mark.parametrize(

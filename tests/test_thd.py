@@ -19,6 +19,7 @@ FORMS = ["jagged", "values", "padded"]
 PADS = ["none", "min_local_rows", "bucket"]
 LAYOUT_CP = [(lay, cp) for lay in ("zigzag", "contiguous") for cp in (1, 2, 3, 4)]
 LAYOUT_CP_IDS = [f"{lay}-cp{cp}" for lay, cp in LAYOUT_CP]
+FEATURES = [((), torch.int64), ((3,), torch.float32), ((2, 3), torch.bfloat16)]  # (F, dtype)
 
 
 def make_layout(rng, lengths, tp=1, cp=1, cp_layout="zigzag", fp8=False, pad="none"):
@@ -110,7 +111,7 @@ def test_pack_matches_reference(device, rng, cp_layout, cp, roll, tp, fp8, pad, 
     factor = 2 if (cp_layout == "zigzag" and cp > 1) else 1
     for _ in range(2):
         lengths = random_lengths(rng, rng.randint(1, 7), tp * cp * factor)
-        feature_shape, dtype = rng.choice([((), torch.int64), ((3,), torch.float32), ((2, 3), torch.bfloat16)])
+        feature_shape, dtype = rng.choice(FEATURES)
         batch = Batch(rng, lengths, feature_shape, dtype)
         layout, cu_padded = make_layout(rng, lengths, tp, cp, cp_layout, fp8, pad)
         x, mask = batch.input(form, device)
@@ -124,7 +125,9 @@ def test_pack_matches_reference(device, rng, cp_layout, cp, roll, tp, fp8, pad, 
             assert_same(pos, expected[r][1], ctx)
         # The raw op with cp_rank=-1 packs every rank at once: [cp, local_rows, *F].
         raw_x = x.values() if form == "jagged" else x
-        packed, pos = OPS.preprocess_thd(*raw_args(layout, raw_x), layout.local_rows, cp, -1, cp_layout, roll, mask)
+        packed, pos = OPS.preprocess_thd(
+            *raw_args(layout, raw_x), layout.local_rows, cp, -1, cp_layout, roll, mask
+        )
         assert_same(packed, torch.stack([e[0] for e in expected]))
         assert_same(pos, torch.stack([e[1] for e in expected]))
 
@@ -295,7 +298,8 @@ def test_raw_roundtrip_per_rank(device, rng, cp_layout, cp, masked, roll):
     covered = torch.zeros(expected.shape[:-1], dtype=torch.int64)
     for r in range(cp):
         packed, _ = OPS.preprocess_thd(x, cu, cu_padded, layout.local_rows, cp, r, cp_layout, roll, mask)
-        out = OPS.postprocess_thd(packed, cu, cu_padded, layout.total_tokens, cp, r, cp_layout, roll, mask).cpu()
+        out = OPS.postprocess_thd(packed, cu, cu_padded, layout.total_tokens, cp, r, cp_layout, roll, mask)
+        out = out.cpu()
         # Every token comes back either exactly or as zero.
         assert torch.all((out == expected) | (out == 0))
         total += out
@@ -385,7 +389,7 @@ def test_pack_backward_is_unpack(device, rng):
     """OPS.md: pack's backward is an unpack-gather of the gradient (padding rows drop out)."""
     lengths = random_lengths(rng, 6, 4)
     batch = Batch(rng, lengths, (3,), torch.float32)
-    layout, cu_padded = make_layout(rng, lengths, cp=2, pad="bucket")
+    layout, _ = make_layout(rng, lengths, cp=2, pad="bucket")
     values = batch.values.to(device).requires_grad_()
     packed, _ = preprocess_thd(values, layout, 1, roll=True)
     grad = torch.randn(packed.shape).to(device)
@@ -542,7 +546,8 @@ def test_compile_raw_ops(device, rng):
             batch, layout = compile_case(rng, device=device, **kw)
             x = (batch.padded if masked else batch.values).to(device)
             mask = batch.mask.to(device) if masked else None
-            args = (x, layout.cu_seqlens, layout.cu_seqlens_padded, layout.local_rows, layout.total_tokens, mask)
+            cu, cup = layout.cu_seqlens, layout.cu_seqlens_padded
+            args = (x, cu, cup, layout.local_rows, layout.total_tokens, mask)
             got, want = cf(*args), f(*args)
             for a, b in zip(got, want):
                 assert_same(a, b.cpu())
@@ -644,7 +649,9 @@ def test_cuda_graph_replay(rng, cp_layout, cp, form):
     poison_(pos)
     graph.replay()
     torch.cuda.synchronize()
-    expected, expected_pos = ref_pack(seqs, cu_padded, cp, rank, cp_layout, True, feature_shape=(5,), dtype=batch.dtype)
+    expected, expected_pos = ref_pack(
+        seqs, cu_padded, cp, rank, cp_layout, True, feature_shape=(5,), dtype=batch.dtype
+    )
     assert_same(packed, expected)
     assert_same(pos, expected_pos)
     eager = preprocess_thd(x, layout, rank, attention_mask=mask, roll=True)
@@ -695,7 +702,8 @@ def test_cuda_matches_cpu_large(rng, feature_shape, dtype, max_len):
         layout = ThdLayout.from_lengths(lengths, tp_size=2, cp_size=cp, cp_layout=cp_layout, fp8_padding=fp8)
         args = (layout.local_rows, cp, -1, cp_layout, roll, None)
         poison_allocator("cuda", values[:1].nbytes * layout.total_padded, 8 * layout.total_padded)
-        packed, pos = OPS.preprocess_thd(values_gpu, layout.cu_seqlens.cuda(), layout.cu_seqlens_padded.cuda(), *args)
+        cu, cup = layout.cu_seqlens.cuda(), layout.cu_seqlens_padded.cuda()
+        packed, pos = OPS.preprocess_thd(values_gpu, cu, cup, *args)
         cpu_packed, cpu_pos = OPS.preprocess_thd(values, layout.cu_seqlens, layout.cu_seqlens_padded, *args)
         assert_same(packed, cpu_packed, (cp_layout, cp))
         assert_same(pos, cpu_pos, (cp_layout, cp))
@@ -745,7 +753,8 @@ def test_cuda_garbage_offsets_do_not_fault():
         for lay in ("zigzag", "contiguous"):
             for rank in (-1, 0, 1):
                 OPS.preprocess_thd(values, cu, cu_padded, 6, 2, rank, lay, True, None)
-                OPS.preprocess_thd(values[:3, None].expand(3, 4, 4), cu, cu_padded, 6, 2, rank, lay, True, mask)
+                padded = values[:3, None].expand(3, 4, 4)
+                OPS.preprocess_thd(padded, cu, cu_padded, 6, 2, rank, lay, True, mask)
                 p = packed if rank < 0 else packed[0]
                 OPS.postprocess_thd(p, cu, cu_padded, 10, 2, rank, lay, True, None)
                 OPS.postprocess_thd(p, cu, cu_padded, 10, 2, rank, lay, True, mask)
@@ -866,7 +875,10 @@ RAW_PACK_CASES = {
     "cu_seqlens-length-mismatch": (dict(cu=_CU[:-1]), "cu_seqlens"),
     "cu_seqlens_padded-short-sequence": (dict(cup=_i32(0, 4, 4, 8, 12), lr=6), "cu_seqlens_padded"),
     "cu_seqlens_padded-non-monotone": (dict(cup=_i32(0, 4, 0, 8, 12), lr=6), "cu_seqlens_padded"),
-    "cu_seqlens_padded-not-zigzag": (dict(cup=_i32(0, 6, 6, 12, 16), lr=8), r"(cu_seqlens_padded|padded length)"),
+    "cu_seqlens_padded-not-zigzag": (
+        dict(cup=_i32(0, 6, 6, 12, 16), lr=8),
+        r"(cu_seqlens_padded|padded length)",
+    ),
     "local_rows-too-big": (dict(lr=_LR + 1), r"(cu_seqlens_padded|local_rows)"),
     "local_rows-too-small": (dict(lr=_LR - 1), r"(cu_seqlens_padded|local_rows)"),
     "local_rows-negative": (dict(lr=-1), "local_rows"),
@@ -905,11 +917,12 @@ def test_bad_input_raw_preprocess(case):
         OPS.preprocess_thd(*args.values())
 
 
+_ROWS = r"(cu_seqlens_padded|local_rows|packed)"
 RAW_UNPACK_CASES = {
     "packed-3-shards": (dict(packed=torch.randn(3, _LR, 2)), "packed"),
     "packed-1d-all-ranks": (dict(packed=torch.randn(2 * _LR)), "packed"),
-    "packed-too-many-rows": (dict(packed=torch.randn(2, _LR + 1, 2)), r"(cu_seqlens_padded|local_rows|packed)"),
-    "packed-too-few-rows": (dict(packed=torch.randn(_LR - 1, 2), rank=0), r"(cu_seqlens_padded|local_rows|packed)"),
+    "packed-too-many-rows": (dict(packed=torch.randn(2, _LR + 1, 2)), _ROWS),
+    "packed-too-few-rows": (dict(packed=torch.randn(_LR - 1, 2), rank=0), _ROWS),
     "total_tokens-wrong": (dict(T=_T + 1), "total_tokens"),
     "total_tokens-negative": (dict(T=-1), "total_tokens"),
     "cu_seqlens-int64": (dict(cu=_CU.long()), "cu_seqlens"),
@@ -930,8 +943,8 @@ RAW_UNPACK_CASES = {
 @pytest.mark.parametrize("case", RAW_UNPACK_CASES)
 def test_bad_input_raw_postprocess(case):
     kw, match = RAW_UNPACK_CASES[case]
-    args = dict(packed=torch.randn(2, _LR, 2), cu=_CU, cup=_CUP, T=_T, cp=2, rank=-1, lay="zigzag", roll=False,
-                mask=None)
+    args = dict(packed=torch.randn(2, _LR, 2), cu=_CU, cup=_CUP, T=_T, cp=2, rank=-1, lay="zigzag")
+    args.update(roll=False, mask=None)
     args.update(kw)
     with pytest.raises(ERRORS, match=rf"postprocess_thd.*{match}"):
         OPS.postprocess_thd(*args.values())
