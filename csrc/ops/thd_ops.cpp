@@ -2,6 +2,7 @@
 
 #include <ATen/Parallel.h>
 
+#include <string>
 #include <vector>
 
 #include "../cpu/thd_kernels.h"
@@ -155,11 +156,14 @@ std::tuple<at::Tensor, at::Tensor> thd_layout(const at::Tensor& lengths, int64_t
     TORCH_CHECK(acc_padded <= INT32_MAX, op, ": padded total ", acc_padded,
                 " does not fit the int32 cu_seqlens_padded");
     if (p.layout == core::CpLayout::kZigzag && cp_size > 1) {
-      TORCH_CHECK(padded[static_cast<size_t>(i)] % (2 * cp_size) == 0, op,
-                  ": zigzag with cp_size=", cp_size, " needs every padded length to be a ",
-                  "multiple of 2*cp_size, but the padding rules (min_local_rows / ",
-                  "pad_to_length_bucket) give sequence ", i, " ", padded[static_cast<size_t>(i)],
-                  " rows; pick a bucket that is a multiple of ", 2 * tp_size * cp_size);
+      const int64_t padded_i = padded[static_cast<size_t>(i)];
+      if (padded_i % (2 * cp_size) != 0) {
+        const std::string msg = std::string(op) + ": zigzag with cp_size=" + std::to_string(cp_size) +
+                                " needs every padded length to be a multiple of 2*cp_size, but the" +
+                                " padding rules (min_local_rows / pad_to_length_bucket) give sequence " +
+                                std::to_string(i) + " " + std::to_string(padded_i) + " rows";
+        TORCH_CHECK(false, msg);
+      }
     }
     c[i + 1] = static_cast<int32_t>(acc);
     cp[i + 1] = static_cast<int32_t>(acc_padded);
