@@ -136,7 +136,11 @@ std::tuple<at::Tensor, at::Tensor> thd_layout(const at::Tensor& lengths, int64_t
   const int64_t B = len64.size(0);
   const int64_t* l = len64.data_ptr<int64_t>();
   for (int64_t i = 0; i < B; ++i) {
-    TORCH_CHECK(l[i] >= 0, op, ": lengths must be >= 0, got ", l[i], " at index ", i);
+    if (l[i] < 0) {
+      const std::string msg = std::string(op) + ": lengths must be >= 0, got " + std::to_string(l[i]) +
+                              " at index " + std::to_string(i);
+      TORCH_CHECK(false, msg);
+    }
   }
   std::vector<int64_t> padded(static_cast<size_t>(B));
   TORCH_CHECK(core::compute_padded_lengths(l, B, p, padded.data()), op,
@@ -153,8 +157,11 @@ std::tuple<at::Tensor, at::Tensor> thd_layout(const at::Tensor& lengths, int64_t
   for (int64_t i = 0; i < B; ++i) {
     acc += l[i];
     acc_padded += padded[static_cast<size_t>(i)];
-    TORCH_CHECK(acc_padded <= INT32_MAX, op, ": padded total ", acc_padded,
-                " does not fit the int32 cu_seqlens_padded");
+    if (acc_padded > INT32_MAX) {
+      const std::string msg = std::string(op) + ": padded total " + std::to_string(acc_padded) +
+                              " does not fit the int32 cu_seqlens_padded";
+      TORCH_CHECK(false, msg);
+    }
     if (p.layout == core::CpLayout::kZigzag && cp_size > 1) {
       const int64_t padded_i = padded[static_cast<size_t>(i)];
       if (padded_i % (2 * cp_size) != 0) {
@@ -168,8 +175,11 @@ std::tuple<at::Tensor, at::Tensor> thd_layout(const at::Tensor& lengths, int64_t
     c[i + 1] = static_cast<int32_t>(acc);
     cp[i + 1] = static_cast<int32_t>(acc_padded);
   }
-  TORCH_CHECK(acc_padded % cp_size == 0, op, ": padded total ", acc_padded,
-              " is not divisible by cp_size=", cp_size);
+  if (acc_padded % cp_size != 0) {
+    const std::string msg = std::string(op) + ": padded total " + std::to_string(acc_padded) +
+                            " is not divisible by cp_size=" + std::to_string(cp_size);
+    TORCH_CHECK(false, msg);
+  }
   return {cu, cu_padded};
 }
 
