@@ -143,9 +143,12 @@ std::tuple<at::Tensor, at::Tensor> thd_layout(const at::Tensor& lengths, int64_t
     }
   }
   std::vector<int64_t> padded(static_cast<size_t>(B));
-  TORCH_CHECK(core::compute_padded_lengths(l, B, p, padded.data()), op,
-              ": the padded sizes overflow int64 (tp_size=", tp_size, ", cp_size=", cp_size,
-              ", min_local_rows / pad_to_length_bucket too large); totals must fit int32");
+  if (!core::compute_padded_lengths(l, B, p, padded.data())) {
+    const std::string msg = std::string(op) + ": the padded sizes overflow int64 (tp_size=" +
+                            std::to_string(tp_size) + ", cp_size=" + std::to_string(cp_size) +
+                            ", min_local_rows / pad_to_length_bucket too large); totals must fit int32";
+    TORCH_CHECK(false, msg);
+  }
   TORCH_CHECK(B > 0 || p.min_local_rows <= 0, op,
               ": min_local_rows needs at least one sequence to pad, got an empty batch");
 
