@@ -52,6 +52,35 @@ def _want_cuda():
     return True
 
 
+def _shared_libstdcxx_link_args():
+    """Make sure the extension links the shared libstdc++ that torch itself uses.
+
+    A compiler driver that only finds a static libstdc++.a would embed a second copy of the C++
+    runtime in the extension; its iostream/locale state is then not the process's, and formatting
+    a number into an error message crashes. When the driver has no shared libstdc++, link the
+    one already loaded in this process (torch loaded it) explicitly.
+    """
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        found = subprocess.check_output([cxx, "-print-file-name=libstdc++.so"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return []
+    if os.path.isabs(found) and os.path.exists(found):
+        return []
+    try:
+        with open("/proc/self/maps") as maps:
+            loaded = sorted({line.split()[-1] for line in maps if "/libstdc++.so" in line})
+    except OSError:
+        loaded = []
+    if not loaded:
+        raise RuntimeError(
+            f"verl_ops: the C++ compiler {cxx} has no shared libstdc++ and none is loaded in this "
+            "process; set CXX to a compiler that links libstdc++ dynamically."
+        )
+    print(f"verl_ops: {cxx} has no shared libstdc++; linking {loaded[0]} explicitly")
+    return [loaded[0]]
+
+
 def _extension():
     sources = sorted(
         glob.glob(os.path.join("csrc", "*.cpp"))
@@ -59,15 +88,21 @@ def _extension():
         + [p for p in glob.glob(os.path.join("csrc", "ops", "*.cpp")) if not p.endswith("_cuda.cpp")]
     )
     cxx_flags = ["-O3", "-std=c++17"]
+    link_args = _shared_libstdcxx_link_args()
     if not _want_cuda():
-        return cpp_extension.CppExtension("verl_ops._C", sources, extra_compile_args={"cxx": cxx_flags})
+        return cpp_extension.CppExtension(
+            "verl_ops._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_args
+        )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     sources += sorted(glob.glob(os.path.join("csrc", "ops", "*_cuda.cpp")))
     sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
     cxx_flags.append("-DVERL_OPS_WITH_CUDA")
     nvcc_flags = ["-O3", "-std=c++17", "-DVERL_OPS_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo"]
     return cpp_extension.CUDAExtension(
-        "verl_ops._C", sources, extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags}
+        "verl_ops._C",
+        sources,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=link_args,
     )
 
 

@@ -31,7 +31,6 @@ import math
 import os
 import random
 import shlex
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ except ImportError:  # run from a checkout without installing: the package is on
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import verl_ops
 from verl_ops.demo import loop_pack, loop_unpack
+from verl_ops.timing import device_time, sync, wall_time
 
 MB = 1e6
 L2_BYTES = 60e6  # H100 50 MB, H200 60 MB (upper bound)
@@ -112,79 +112,6 @@ def random_values(n, feat, dtype, device, gen):
 
 # --------------------------------------------------------------------------------------------
 # Timing
-
-
-def sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-_CYCLES_PER_US = None
-
-
-def _cycles_per_us():
-    global _CYCLES_PER_US
-    if _CYCLES_PER_US is None:
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda._sleep(1000)
-        s.record()
-        torch.cuda._sleep(2_000_000)
-        e.record()
-        torch.cuda.synchronize()
-        _CYCLES_PER_US = 2_000_000 / max(s.elapsed_time(e) * 1e3, 1.0)
-    return _CYCLES_PER_US
-
-
-def device_time(fn, device, n, warmup=3):
-    """Median device time of fn(i) in seconds.
-
-    CUDA: an event pair around each call; a sleep kernel queued first keeps the GPU busy while the
-    host enqueues a batch of calls, so the events see GPU time, not Python launch overhead.
-    CPU: wall clock per call.
-    """
-    for i in range(warmup):
-        fn(i)
-    sync(device)
-    times = []
-    if device.type != "cuda":
-        for i in range(n):
-            t0 = time.perf_counter()
-            fn(i)
-            times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    t0 = time.perf_counter()
-    for i in range(3):
-        fn(i)
-    host = (time.perf_counter() - t0) / 3  # enqueue cost per call (upper bound)
-    sync(device)
-    sleeper = hasattr(torch.cuda, "_sleep")
-    batch = 32
-    for b0 in range(0, n, batch):
-        k = min(batch, n - b0)
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(k)]
-        if sleeper:
-            torch.cuda._sleep(int(min(host * k * 1.5 + 50e-6, 0.1) * 1e6 * _cycles_per_us()))
-        for j in range(k):
-            ev[j][0].record()
-            fn(b0 + j)
-            ev[j][1].record()
-        torch.cuda.synchronize(device)
-        times += [s.elapsed_time(e) * 1e-3 for s, e in ev]
-    return statistics.median(times)
-
-
-def wall_time(fn, device, n, warmup=1):
-    """Median wall-clock seconds of fn() including a final synchronisation."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def repeats_for(est_s, budget_s, lo, hi):

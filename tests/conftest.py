@@ -12,6 +12,8 @@ import pytest
 import torch
 
 import verl_ops  # noqa: F401  (registers torch.ops.verl_ops)
+from reference import ref_layout
+from verl_ops import ThdLayout
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
@@ -146,3 +148,41 @@ class Batch:
         for i, x in enumerate(self.seqs):
             out[i, self.mask[i]] = x
         return out
+
+
+# --------------------------------------------------------------------------------------------
+# Layouts.
+
+
+def build_layout(lengths, tp=1, cp=1, cp_layout="zigzag", fp8=False, mlr=None, bucket=None, **kw) -> ThdLayout:
+    """ThdLayout.from_lengths with the rule arguments in a fixed positional order."""
+    return ThdLayout.from_lengths(
+        lengths,
+        tp_size=tp,
+        cp_size=cp,
+        cp_layout=cp_layout,
+        fp8_padding=fp8,
+        min_local_rows=mlr,
+        pad_to_length_bucket=bucket,
+        **kw,
+    )
+
+
+def make_layout(rng, lengths, tp=1, cp=1, cp_layout="zigzag", fp8=False, pad="none"):
+    """A valid layout, with min_local_rows / a length bucket chosen so that they do pad (and keep
+    the zigzag invariant). Returns (layout, the reference cu_seqlens_padded)."""
+    factor = 2 if (cp_layout == "zigzag" and cp > 1) else 1
+    mlr = bucket = None
+    if pad == "min_local_rows":
+        # Above the total the other rules give, in steps that keep every padded length a multiple
+        # of the original alignment tp * cp * factor.
+        unit = tp * factor
+        base = ref_layout(lengths, tp, cp, cp_layout, fp8)[1][-1]
+        mlr = unit * -(-(base // cp + rng.randint(1, 40)) // unit)
+    elif pad == "bucket":
+        bucket = 2 * tp * cp * rng.choice([3, 5, 16])
+    layout = build_layout(lengths, tp, cp, cp_layout, fp8, mlr, bucket)
+    cu, cu_padded = ref_layout(lengths, tp, cp, cp_layout, fp8, mlr, bucket)
+    assert layout.cu_seqlens_cpu.tolist() == cu
+    assert layout.cu_seqlens_padded_cpu.tolist() == cu_padded
+    return layout, cu_padded

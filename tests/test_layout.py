@@ -9,25 +9,12 @@ import sys
 
 import pytest
 import torch
-from conftest import random_lengths
+from conftest import build_layout, random_lengths
 from reference import layout_is_valid, ref_layout
 
 from verl_ops import ThdLayout
 
 CP_LAYOUTS = ["zigzag", "contiguous"]
-
-
-def build(lengths, tp, cp, cp_layout, fp8, mlr, bucket, **kw):
-    return ThdLayout.from_lengths(
-        lengths,
-        tp_size=tp,
-        cp_size=cp,
-        cp_layout=cp_layout,
-        fp8_padding=fp8,
-        min_local_rows=mlr,
-        pad_to_length_bucket=bucket,
-        **kw,
-    )
 
 
 def check_against_reference(lengths, tp, cp, cp_layout, fp8, mlr, bucket):
@@ -40,10 +27,10 @@ def check_against_reference(lengths, tp, cp, cp_layout, fp8, mlr, bucket):
         ref = None
     if ref is None or not layout_is_valid(ref[1], cp, cp_layout):
         with pytest.raises((ValueError, RuntimeError)):
-            build(lengths, *args)
+            build_layout(lengths, *args)
         return False
     cu, cu_padded = ref
-    layout = build(lengths, *args)
+    layout = build_layout(lengths, *args)
     ctx = f"lengths={lengths} args={args}"
     for name in ("cu_seqlens", "cu_seqlens_padded", "cu_seqlens_cpu", "cu_seqlens_padded_cpu"):
         t = getattr(layout, name)
@@ -288,3 +275,52 @@ def test_bad_input(kwargs, match):
 def test_raw_thd_layout_bad_input(args, match):
     with pytest.raises(RuntimeError, match=f"thd_layout.*{match}"):
         torch.ops.verl_ops.thd_layout(*args)
+
+
+# --------------------------------------------------------------------------------------------
+# from_padded_offsets: a layout from offsets built elsewhere.
+
+
+@pytest.mark.parametrize("cp_layout", CP_LAYOUTS)
+@pytest.mark.parametrize("cp", [1, 2, 4])
+@pytest.mark.parametrize("fp8", [False, True])
+def test_from_padded_offsets_reproduces_from_lengths(rng, cp_layout, cp, fp8):
+    lengths = random_lengths(rng, 9, 2 * cp * 2)
+    want = build_layout(lengths, 2, cp, cp_layout, fp8)
+    got = ThdLayout.from_padded_offsets(
+        torch.tensor(lengths), want.cu_seqlens_padded.clone(), tp_size=2, cp_size=cp, cp_layout=cp_layout
+    )
+    assert got.same_as(want)
+    for name in ("lengths", "max_seqlen", "max_seqlen_unpadded", "min_seqlen_unpadded", "total_tokens",
+                 "total_padded", "local_rows", "cp_size", "cp_layout", "tp_size"):
+        assert getattr(got, name) == getattr(want, name), name
+    assert got.cu_seqlens.dtype == got.cu_seqlens_padded.dtype == torch.int32
+    assert torch.equal(got.cu_seqlens, want.cu_seqlens)
+
+
+@pytest.mark.parametrize(
+    "lengths, cu_padded, kw, match",
+    [
+        ([3, 1], [0, 4], {}, "entries"),
+        ([3, 1], [1, 4, 8], {}, "does not fit"),
+        ([3, 5], [0, 4, 8], {}, "does not fit"),
+        ([3, 1], [0, 4, 7], dict(cp_size=2, cp_layout="contiguous"), "divisible"),
+        ([3, 1], [0, 6, 8], dict(cp_size=2), "multiple of 4"),
+        ([3, -1], [0, 4, 8], {}, "lengths"),
+        ([3, 1], [[0, 4, 8]], {}, "1-D"),
+        ([3, 1], [0.0, 4.0, 8.0], {}, "integers"),
+        ([3, 1], [0, 4, 8], dict(cp_layout="ring"), "cp_layout"),
+        ([3, 1], [0, 4, 8], dict(tp_size=0), "tp_size"),
+    ],
+)
+def test_from_padded_offsets_bad_input(lengths, cu_padded, kw, match):
+    with pytest.raises(ValueError, match=f"from_padded_offsets.*{match}"):
+        ThdLayout.from_padded_offsets(lengths, torch.tensor(cu_padded), **kw)
+
+
+def test_to_device_keeps_everything_but_the_device():
+    layout = build_layout([5, 0, 7], 1, 2, "zigzag", True)
+    moved = layout.to("meta")
+    assert moved.device == torch.device("meta") and moved.cu_seqlens.device == torch.device("meta")
+    assert moved.same_as(layout) and moved.lengths == layout.lengths and moved.local_rows == layout.local_rows
+    assert layout.to("cpu") is layout

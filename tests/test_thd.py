@@ -8,7 +8,7 @@ import random
 
 import pytest
 import torch
-from conftest import DTYPES, Batch, random_data, random_lengths, scattered_mask, seed_of
+from conftest import DTYPES, Batch, make_layout, random_data, random_lengths, scattered_mask, seed_of
 from reference import ref_layout, ref_pack
 
 import verl_ops
@@ -20,34 +20,6 @@ PADS = ["none", "min_local_rows", "bucket"]
 LAYOUT_CP = [(lay, cp) for lay in ("zigzag", "contiguous") for cp in (1, 2, 3, 4)]
 LAYOUT_CP_IDS = [f"{lay}-cp{cp}" for lay, cp in LAYOUT_CP]
 FEATURES = [((), torch.int64), ((3,), torch.float32), ((2, 3), torch.bfloat16)]  # (F, dtype)
-
-
-def make_layout(rng, lengths, tp=1, cp=1, cp_layout="zigzag", fp8=False, pad="none"):
-    """A valid layout, with min_local_rows / a length bucket chosen so that they do pad (and keep
-    the zigzag invariant). Returns (layout, the reference cu_seqlens_padded)."""
-    factor = 2 if (cp_layout == "zigzag" and cp > 1) else 1
-    mlr = bucket = None
-    if pad == "min_local_rows":
-        # Above the total the other rules give, in steps that keep every padded length a multiple
-        # of the original alignment tp * cp * factor.
-        unit = tp * factor
-        base = ref_layout(lengths, tp, cp, cp_layout, fp8)[1][-1]
-        mlr = unit * -(-(base // cp + rng.randint(1, 40)) // unit)
-    elif pad == "bucket":
-        bucket = 2 * tp * cp * rng.choice([3, 5, 16])
-    layout = ThdLayout.from_lengths(
-        lengths,
-        tp_size=tp,
-        cp_size=cp,
-        cp_layout=cp_layout,
-        fp8_padding=fp8,
-        min_local_rows=mlr,
-        pad_to_length_bucket=bucket,
-    )
-    cu, cu_padded = ref_layout(lengths, tp, cp, cp_layout, fp8, mlr, bucket)
-    assert layout.cu_seqlens_cpu.tolist() == cu
-    assert layout.cu_seqlens_padded_cpu.tolist() == cu_padded
-    return layout, cu_padded
 
 
 def ref_rank(batch: Batch, cu_padded, layout: ThdLayout, rank: int, roll: bool):

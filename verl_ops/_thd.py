@@ -90,10 +90,15 @@ def _check_mask_lengths(op: str, mask: torch.Tensor, layout: ThdLayout, validate
             )
 
 
-def _layout_on(op: str, layout: ThdLayout, t: torch.Tensor) -> ThdLayout:
+def _offsets_on(op: str, layout: ThdLayout, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout's (cu_seqlens, cu_seqlens_padded) on t's device (copied from the host copies
+    when the layout lives elsewhere; plain tensor ops, so this also traces under torch.compile)."""
     if not isinstance(layout, ThdLayout):
         raise TypeError(f"{op}: layout must be a verl_ops.ThdLayout, got {type(layout)}")
-    return layout.to(t.device)
+    if layout.cu_seqlens.device == t.device:
+        return layout.cu_seqlens, layout.cu_seqlens_padded
+    both = torch.stack([layout.cu_seqlens_cpu, layout.cu_seqlens_padded_cpu]).to(t.device)
+    return both[0], both[1]
 
 
 def preprocess_thd(
@@ -123,7 +128,7 @@ def preprocess_thd(
         (int64 ``[local_rows]``: each row's position inside its padded sequence).
     """
     op = "preprocess_thd"
-    layout = _layout_on(op, layout, x)
+    cu, cu_padded = _offsets_on(op, layout, x)
     _check_cp_rank(op, layout, cp_rank)
     if x.is_nested:
         if attention_mask is not None:
@@ -163,8 +168,8 @@ def preprocess_thd(
             )
     return _ops.preprocess_thd(
         values,
-        layout.cu_seqlens,
-        layout.cu_seqlens_padded,
+        cu,
+        cu_padded,
         layout.local_rows,
         layout.cp_size,
         cp_rank,
@@ -203,10 +208,10 @@ def postprocess_thd(
     Gradients flow to ``packed`` (each shard receives the pack of the output gradient).
     """
     op = "postprocess_thd"
-    layout = _layout_on(op, layout, packed)
+    cu, cu_padded = _offsets_on(op, layout, packed)
     _check_cp_rank(op, layout, cp_rank)
     if group is not None and layout.cp_size > 1:
-        out = _postprocess_over_group(op, packed, layout, cp_rank, group, attention_mask, validate)
+        out = _postprocess_over_group(op, packed, layout, cu, cu_padded, cp_rank, group, attention_mask, validate)
     else:
         if layout.cp_size > 1:
             if packed.dim() < 2 or tuple(packed.shape[:2]) != (layout.cp_size, layout.local_rows):
@@ -220,8 +225,8 @@ def postprocess_thd(
             _check_mask_lengths(op, attention_mask, layout, validate)
         out = _ops.postprocess_thd(
             packed,
-            layout.cu_seqlens,
-            layout.cu_seqlens_padded,
+            cu,
+            cu_padded,
             layout.total_tokens,
             layout.cp_size,
             -1 if layout.cp_size > 1 else 0,
@@ -233,7 +238,7 @@ def postprocess_thd(
         return out
     return torch.nested.nested_tensor_from_jagged(
         out,
-        offsets=layout.cu_seqlens.to(torch.int64),
+        offsets=cu.to(torch.int64),
         min_seqlen=layout.min_seqlen_unpadded,
         max_seqlen=layout.max_seqlen_unpadded,
     )
@@ -291,7 +296,7 @@ class _UnpackLocalShard(torch.autograd.Function):
         return grad_local, None, None, None, None, None, None, None, None
 
 
-def _postprocess_over_group(op, packed, layout, cp_rank, group, attention_mask, validate):
+def _postprocess_over_group(op, packed, layout, cu, cu_padded, cp_rank, group, attention_mask, validate):
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
@@ -317,8 +322,8 @@ def _postprocess_over_group(op, packed, layout, cp_rank, group, attention_mask, 
     return _UnpackLocalShard.apply(
         local,
         gathered,
-        layout.cu_seqlens,
-        layout.cu_seqlens_padded,
+        cu,
+        cu_padded,
         layout.total_tokens,
         layout.cp_size,
         cp_rank,

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
-import time
 
 import torch
 
 import verl_ops
+from verl_ops.timing import format_seconds, wall_time
 
 # --------------------------------------------------------------------------------------------
 # The per-sequence loop (verl's algorithm, written from OPS.md section 2).
@@ -88,33 +87,6 @@ def loop_unpack(shards, lengths, cu_padded, cp_size, cp_layout):
 
 
 # --------------------------------------------------------------------------------------------
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_time(fn, device, repeats, warmup=2):
-    """Median wall-clock seconds of ``fn()`` (synchronised before and after on a GPU)."""
-    for _ in range(warmup):
-        fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def _fmt(s):
-    if s < 1e-3:
-        return f"{s * 1e6:8.1f} us"
-    if s < 1:
-        return f"{s * 1e3:8.2f} ms"
-    return f"{s:8.2f} s "
 
 
 def main(argv=None) -> int:
@@ -193,10 +165,10 @@ def main(argv=None) -> int:
         check(f"unpack cp={cp}: vs loop", torch.equal(ref_unpack().values(), values))
 
         what = "1 rank" if cp == 1 else f"{cp} ranks"
-        rows.append((f"pack   cp={cp} ({what})", _median_time(ours_pack, device, args.repeats),
-                     _median_time(ref_pack, device, args.repeats)))
-        rows.append((f"unpack cp={cp} ({what})", _median_time(ours_unpack, device, args.repeats),
-                     _median_time(ref_unpack, device, args.repeats)))
+        rows.append((f"pack   cp={cp} ({what})", wall_time(ours_pack, device, args.repeats, warmup=2),
+                     wall_time(ref_pack, device, args.repeats, warmup=2)))
+        rows.append((f"unpack cp={cp} ({what})", wall_time(ours_unpack, device, args.repeats, warmup=2),
+                     wall_time(ref_unpack, device, args.repeats, warmup=2)))
         print(
             f"  cp={cp}: {layout.local_rows:,} rows per rank (align {layout.align}, "
             f"{layout.total_padded - layout.total_tokens:,} padding rows in total)"
@@ -206,7 +178,7 @@ def main(argv=None) -> int:
     print(f"  {'op':<24}{'verl_ops':>12}{'python loop':>14}{'speedup':>10}")
     print(f"  {'-' * 24}{'-' * 12}{'-' * 14}{'-' * 10}")
     for name, ours, ref in rows:
-        print(f"  {name:<24}{_fmt(ours):>12}{_fmt(ref):>14}{ref / ours:>9.1f}x")
+        print(f"  {name:<24}{format_seconds(ours):>12}{format_seconds(ref):>14}{ref / ours:>9.1f}x")
     print(f"  (median of {args.repeats} repeats, wall clock per call incl. Python; synchronised on GPU)")
     print()
     if failures:

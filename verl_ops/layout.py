@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -11,21 +12,21 @@ import torch
 CP_LAYOUTS = ("zigzag", "contiguous")
 
 
-def _lengths_to_cpu(lengths) -> torch.Tensor:
+def _lengths_to_cpu(lengths, op: str = "ThdLayout.from_lengths") -> torch.Tensor:
     if isinstance(lengths, torch.Tensor):
         if lengths.dim() != 1:
-            raise ValueError(f"ThdLayout.from_lengths: lengths must be 1-D, got shape {tuple(lengths.shape)}")
+            raise ValueError(f"{op}: lengths must be 1-D, got shape {tuple(lengths.shape)}")
         if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
-            raise ValueError(f"ThdLayout.from_lengths: lengths must be integers, got {lengths.dtype}")
+            raise ValueError(f"{op}: lengths must be integers, got {lengths.dtype}")
         # The one host synchronisation of the data path: layout sizes decide output shapes.
         return lengths.detach().to("cpu", torch.int64)
     if not isinstance(lengths, Sequence):
         raise ValueError(
-            f"ThdLayout.from_lengths: lengths must be a list of ints or a 1-D tensor, got {type(lengths)}"
+            f"{op}: lengths must be a list of ints or a 1-D tensor, got {type(lengths)}"
         )
     for i, v in enumerate(lengths):
         if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"ThdLayout.from_lengths: lengths[{i}] must be an int, got {v!r}")
+            raise ValueError(f"{op}: lengths[{i}] must be an int, got {v!r}")
     return torch.tensor(list(lengths), dtype=torch.int64)
 
 
@@ -105,18 +106,15 @@ class ThdLayout:
         cu, cu_padded = torch.ops.verl_ops.thd_layout(
             host, tp_size, cp_size, cp_layout, bool(fp8_padding), min_local_rows, pad_to_length_bucket
         )
-        lens = tuple(host.tolist())
-        padded = (cu_padded[1:] - cu_padded[:-1]).tolist()
         factor = 2 if (cp_layout == "zigzag" and cp_size > 1) else 1
         align = tp_size * cp_size * factor
         if fp8_padding:
             align = math.lcm(16, align)
-        total_padded = int(cu_padded[-1])
-        device = torch.device(device)
-        # One host-to-device copy for both offset tensors.
-        both = torch.stack([cu, cu_padded]).to(device)
-        return cls(
-            lengths=lens,
+        return cls._from_offsets(
+            host,
+            cu,
+            cu_padded,
+            device,
             tp_size=tp_size,
             cp_size=cp_size,
             cp_layout=cp_layout,
@@ -124,16 +122,98 @@ class ThdLayout:
             min_local_rows=min_local_rows,
             pad_to_length_bucket=pad_to_length_bucket,
             align=align,
+        )
+
+    @classmethod
+    def from_padded_offsets(
+        cls,
+        lengths,
+        cu_seqlens_padded,
+        *,
+        tp_size: int = 1,
+        cp_size: int = 1,
+        cp_layout: str = "zigzag",
+    ) -> ThdLayout:
+        """The layout whose padded offsets are exactly ``cu_seqlens_padded``.
+
+        For offsets produced elsewhere (e.g. a ``PackedSeqParams.cu_seqlens_q_padded`` built by
+        another packer): the padding is taken as given and only checked to be a valid layout
+        (every sequence fits its padded slot, total divisible by ``cp_size``, zigzag halves
+        whole). The offset tensors live on ``cu_seqlens_padded``'s device.
+        """
+        op = "ThdLayout.from_padded_offsets"
+        if cp_layout not in CP_LAYOUTS:
+            raise ValueError(f"{op}: cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
+        for name, v in (("tp_size", tp_size), ("cp_size", cp_size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
+        if not isinstance(cu_seqlens_padded, torch.Tensor) or cu_seqlens_padded.dim() != 1:
+            raise ValueError(f"{op}: cu_seqlens_padded must be a 1-D tensor")
+        if cu_seqlens_padded.is_floating_point() or cu_seqlens_padded.dtype == torch.bool:
+            raise ValueError(f"{op}: cu_seqlens_padded must be integers, got {cu_seqlens_padded.dtype}")
+        lens = _lengths_to_cpu(lengths, op)
+        if bool((lens < 0).any()):
+            raise ValueError(f"{op}: lengths must be >= 0, got {lens.tolist()}")
+        cu_padded64 = cu_seqlens_padded.detach().to("cpu", torch.int64)
+        B = lens.numel()
+        if cu_padded64.numel() != B + 1:
+            raise ValueError(
+                f"{op}: cu_seqlens_padded has {cu_padded64.numel()} entries but the batch has {B} "
+                f"sequences (expected {B + 1})"
+            )
+        padded = cu_padded64[1:] - cu_padded64[:-1]
+        if int(cu_padded64[0]) != 0 or bool((padded < lens).any()):
+            raise ValueError(
+                f"{op}: cu_seqlens_padded {cu_padded64.tolist()} does not fit the sequence lengths "
+                f"{lens.tolist()}"
+            )
+        total_padded = int(cu_padded64[-1])
+        if total_padded > 2**31 - 1:
+            raise ValueError(f"{op}: padded total {total_padded} does not fit int32")
+        if total_padded % cp_size != 0:
+            raise ValueError(f"{op}: padded total {total_padded} is not divisible by cp_size={cp_size}")
+        zigzag = cp_layout == "zigzag" and cp_size > 1
+        if zigzag and bool((padded % (2 * cp_size) != 0).any()):
+            raise ValueError(
+                f"{op}: zigzag with cp_size={cp_size} needs every padded length to be a multiple of "
+                f"{2 * cp_size}, got {padded.tolist()}"
+            )
+        cu = torch.zeros(B + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
+        return cls._from_offsets(
+            lens,
+            cu,
+            cu_padded64.to(torch.int32),
+            cu_seqlens_padded.device,
+            tp_size=tp_size,
+            cp_size=cp_size,
+            cp_layout=cp_layout,
+            fp8_padding=False,
+            min_local_rows=None,
+            pad_to_length_bucket=None,
+            align=tp_size * cp_size * (2 if zigzag else 1),
+        )
+
+    @classmethod
+    def _from_offsets(cls, lens, cu, cu_padded, device, **rules) -> ThdLayout:
+        """Build from checked host offsets (int32 [B + 1]); one host-to-device copy for both."""
+        lengths = tuple(lens.tolist())
+        padded = (cu_padded[1:] - cu_padded[:-1]).tolist()
+        total_padded = int(cu_padded[-1])
+        both = torch.stack([cu, cu_padded]).to(torch.device(device))
+        return cls(
+            lengths=lengths,
+            **rules,
             cu_seqlens_cpu=cu,
             cu_seqlens_padded_cpu=cu_padded,
             cu_seqlens=both[0],
             cu_seqlens_padded=both[1],
             max_seqlen=max(padded, default=0),
-            max_seqlen_unpadded=max(lens, default=0),
-            min_seqlen_unpadded=min(lens, default=0),
+            max_seqlen_unpadded=max(lengths, default=0),
+            min_seqlen_unpadded=min(lengths, default=0),
             total_tokens=int(cu[-1]),
             total_padded=total_padded,
-            local_rows=total_padded // cp_size,
+            local_rows=total_padded // rules["cp_size"],
         )
 
     @classmethod
@@ -167,10 +247,8 @@ class ThdLayout:
         device = torch.device(device)
         if device == self.device:
             return self
-        d = dict(self.__dict__)
         both = torch.stack([self.cu_seqlens_cpu, self.cu_seqlens_padded_cpu]).to(device)
-        d["cu_seqlens"], d["cu_seqlens_padded"] = both[0], both[1]
-        return ThdLayout(**d)
+        return dataclasses.replace(self, cu_seqlens=both[0], cu_seqlens_padded=both[1])
 
     def same_as(self, other: ThdLayout) -> bool:
         """True when both layouts put every token in the same row."""

@@ -179,54 +179,12 @@ def _layout_from_padded_offsets(
     op: str, lengths, cu_seqlens_padded: torch.Tensor, *, tp_size: int, cp_size: int, cp_layout: str
 ) -> ThdLayout:
     """A ThdLayout whose padded offsets are exactly ``cu_seqlens_padded`` (those the model used)."""
-    if not isinstance(cu_seqlens_padded, torch.Tensor) or cu_seqlens_padded.dim() != 1:
-        raise ValueError(f"{op}: packed_seq_params.cu_seqlens_q_padded must be a 1-D tensor")
-    device = cu_seqlens_padded.device
-    lens = torch.as_tensor(lengths).detach().to("cpu", torch.int64)
-    cu_padded = cu_seqlens_padded.detach().to("cpu", torch.int32)
-    B = lens.numel()
-    if cu_padded.numel() != B + 1:
-        raise ValueError(
-            f"{op}: packed_seq_params.cu_seqlens_q_padded has {cu_padded.numel()} entries but the batch "
-            f"has {B} sequences (expected {B + 1})"
+    try:
+        return ThdLayout.from_padded_offsets(
+            lengths, cu_seqlens_padded, tp_size=tp_size, cp_size=cp_size, cp_layout=cp_layout
         )
-    padded = (cu_padded[1:] - cu_padded[:-1]).to(torch.int64)
-    if int(cu_padded[0]) != 0 or bool((padded < lens).any()):
-        raise ValueError(
-            f"{op}: packed_seq_params.cu_seqlens_q_padded {cu_padded.tolist()} does not fit the "
-            f"sequence lengths {lens.tolist()}"
-        )
-    total_padded = int(cu_padded[-1])
-    if total_padded % cp_size != 0:
-        raise ValueError(f"{op}: padded total {total_padded} is not divisible by cp_size={cp_size}")
-    if cp_layout == "zigzag" and cp_size > 1 and bool((padded % (2 * cp_size) != 0).any()):
-        raise ValueError(
-            f"{op}: zigzag with cp_size={cp_size} needs every padded length to be a multiple of "
-            f"{2 * cp_size}, got {padded.tolist()}"
-        )
-    cu = torch.zeros(B + 1, dtype=torch.int32)
-    cu[1:] = torch.cumsum(lens, 0).to(torch.int32)
-    factor = 2 if (cp_layout == "zigzag" and cp_size > 1) else 1
-    return ThdLayout(
-        lengths=tuple(lens.tolist()),
-        tp_size=tp_size,
-        cp_size=cp_size,
-        cp_layout=cp_layout,
-        fp8_padding=False,
-        min_local_rows=None,
-        pad_to_length_bucket=None,
-        align=tp_size * cp_size * factor,
-        cu_seqlens_cpu=cu,
-        cu_seqlens_padded_cpu=cu_padded,
-        cu_seqlens=cu.to(device),
-        cu_seqlens_padded=cu_padded.to(device),
-        max_seqlen=int(padded.max()) if B else 0,
-        max_seqlen_unpadded=int(lens.max()) if B else 0,
-        min_seqlen_unpadded=int(lens.min()) if B else 0,
-        total_tokens=int(lens.sum()),
-        total_padded=total_padded,
-        local_rows=total_padded // cp_size,
-    )
+    except ValueError as e:
+        raise ValueError(f"{op}: packed_seq_params.cu_seqlens_q_padded: {e}") from e
 
 
 def _attached_layout(op: str, packed_seq_params, cp_size: int, cp_layout: str) -> ThdLayout | None:
