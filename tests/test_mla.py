@@ -42,8 +42,8 @@ def ref_attention(q, k, v, cu_q, cu_kv, causal=True, scale=None):
         lq, lk = qs.shape[1], ks.shape[1]
         scores = scale * qs @ ks.transpose(1, 2)
         if causal:
-            i = torch.arange(lq).unsqueeze(1)
-            j = torch.arange(lk).unsqueeze(0)
+            i = torch.arange(lq, device=q.device).unsqueeze(1)
+            j = torch.arange(lk, device=q.device).unsqueeze(0)
             scores = scores.masked_fill(j > i + lk - lq, float("-inf"))
         p = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # rows without keys: all -inf -> 0
         outs.append((p @ vs).transpose(0, 1)[..., :dv])
@@ -79,9 +79,10 @@ def run(c, causal=True, backend="auto", scale=None, grad=False):
 
 
 def ref_grads(c, grad_out, causal=True, scale=None):
-    q, k, v = (c[n].detach().double().cpu().requires_grad_(True) for n in ("q", "k", "v"))
+    """float64 reference output and gradients, computed on the data's device."""
+    q, k, v = (c[n].detach().double().requires_grad_(True) for n in ("q", "k", "v"))
     out = ref_attention(q, k, v, c["cu_q"].cpu(), c["cu_kv"].cpu(), causal, scale)
-    out.backward(grad_out.double().cpu())
+    out.backward(grad_out.double().to(q.device))
     return out.detach(), (q.grad, k.grad, v.grad)
 
 
