@@ -2,6 +2,7 @@
 #include <torch/library.h>
 
 #include "ops/jagged_ops.h"
+#include "ops/mla_ops.h"
 #include "ops/thd_ops.h"
 
 TORCH_LIBRARY(verl_ops, m) {
@@ -32,6 +33,40 @@ TORCH_LIBRARY(verl_ops, m) {
   // Adjoint of jagged_gather: rows go back where they were gathered from; zeros elsewhere.
   m.def("jagged_scatter(Tensor grad, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_in) -> Tensor");
 }
+
+// ---- mla_forward_padded (OPS.md section 6) ---------------------------------------------------
+// THD attention for MLA head dims: q, k [T, H, Dqk], v [Tk, Hk, Dv] with Dv <= Dqk; equal to
+// attention with v zero-padded to Dqk and the output trimmed to Dv. Returns out [Tq, Hq, Dv] and
+// softmax_lse [Hq, Tq] (float32; float64 for float64 inputs). backend: 'auto', 'padded', 'native'.
+TORCH_LIBRARY_FRAGMENT(verl_ops, m) {
+  m.def(
+      "mla_forward_padded(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, "
+      "SymInt max_seqlen_q, SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, "
+      "str backend='auto') -> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "mla_backward_padded(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
+      "Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, str backend='auto') "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+}
+
+TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
+  m.impl("mla_forward_padded", &verl_ops::ops::mla_forward_padded_cpu);
+  m.impl("mla_backward_padded", &verl_ops::ops::mla_backward_padded_cpu);
+}
+
+TORCH_LIBRARY_IMPL(verl_ops, Meta, m) {
+  m.impl("mla_forward_padded", TORCH_FN(verl_ops::ops::mla_forward_padded_meta));
+  m.impl("mla_backward_padded", TORCH_FN(verl_ops::ops::mla_backward_padded_meta));
+}
+
+#ifdef VERL_OPS_WITH_CUDA
+TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
+  m.impl("mla_forward_padded", &verl_ops::ops::mla_forward_padded_cuda);
+  m.impl("mla_backward_padded", &verl_ops::ops::mla_backward_padded_cuda);
+}
+#endif
+// ---- end mla_forward_padded -----------------------------------------------------------------
 
 TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   m.impl("thd_layout", &verl_ops::ops::thd_layout);

@@ -7,12 +7,20 @@ autograd, and drop-ins for verl (:mod:`verl_ops.integrations.verl`).
 import torch  # noqa: F401  (loads libtorch before our extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.verl_ops)
+from ._mla import mla_forward_padded
 from ._thd import postprocess_thd, preprocess_thd
 from .layout import ThdLayout
 
 __version__ = "0.1.0"
 
-__all__ = ["ThdLayout", "preprocess_thd", "postprocess_thd", "cuda_available", "__version__"]
+__all__ = [
+    "ThdLayout",
+    "preprocess_thd",
+    "postprocess_thd",
+    "mla_forward_padded",
+    "cuda_available",
+    "__version__",
+]
 
 
 def cuda_available() -> bool:

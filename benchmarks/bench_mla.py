@@ -1,0 +1,275 @@
+"""Benchmark of verl_ops.mla_forward_padded (THD attention, MLA head dims Dqk=192 / Dv=128).
+
+    python benchmarks/bench_mla.py --out benchmarks/results_mla.md
+    python benchmarks/bench_mla.py --quick            # two small shapes, few repeats
+
+Shapes (issue 5): 4 x 4096 tokens x 16 heads, 1 x 16384 x 16, 16 x 1024 x 16, 4 x 4096 x 128; causal,
+bf16, Dqk=192, Dv=128 (packed THD rows, every sequence of the stated length).
+
+Methods, each timed forward and forward+backward (CUDA events, median of repeats after warm-up):
+  ours padded       mla_forward_padded(backend="padded"): one pad kernel + torch's varlen
+                    FlashAttention, output as a view (no trim copy)
+  ours native       mla_forward_padded(backend="native"): cuDNN SDPA with Dv != Dqk through the
+                    dense (graph-cached) aten::_cudnn_attention_forward on a zero-copy view
+  ours auto         mla_forward_padded(backend="auto")
+  megatron path     F.pad(v) + aten::_flash_attention_forward (varlen) + [..., :Dv] (Megatron/verl)
+  aten cudnn varlen aten::_cudnn_attention_forward with cum_seq offsets (torch's ragged cuDNN path;
+                    rebuilds its cuDNN graph on every call in torch 2.11, a few repeats only)
+  aten efficient    aten::_efficient_attention_forward with cu_seqlens and Dv=128 (no padding)
+  sdpa <backend>    F.scaled_dot_product_attention on dense [B, H, S, D] views, one backend each
+                    (flash, efficient, cudnn); a backend that rejects the shapes is reported as such
+
+FLOPs (useful work, causal, per sequence of length S, H heads; a multiply-add counts 2):
+  forward   = H * S^2 * (Dqk + Dv)        [QK^T: 2*S*S*Dqk*H/2, PV: 2*S*S*Dv*H/2]
+  backward  = H * S^2 * (3*Dqk + 2*Dv)    [recompute QK^T, dP = dO V^T, dV, dQ, dK]
+  fwd+bwd   = H * S^2 * (4*Dqk + 3*Dv)
+TFLOP/s = FLOPs / median time; the floor is a bf16 8192^3 matmul measured in the same run.
+Every method's output is checked first (rows of the last sequence against a float32 reference);
+a method that fails or errors is reported, never timed, and does not stop the script.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import shlex
+import statistics
+import sys
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import verl_ops
+except ImportError:  # run from a checkout without installing
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import verl_ops
+
+DQK, DV = 192, 128
+SHAPES = [(4, 4096, 16), (1, 16384, 16), (16, 1024, 16), (4, 4096, 128)]
+QUICK_SHAPES = [(2, 1024, 16), (4, 512, 16)]
+
+
+def time_cuda(fn, reps, warmup=3):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(times)
+
+
+def matmul_tflops(reps):
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    t = time_cuda(lambda: a @ b, reps)
+    return 2 * n**3 / t / 1e12
+
+
+def flops(batch, seqlen, heads):
+    s2 = batch * seqlen * seqlen * heads
+    return s2 * (DQK + DV), s2 * (4 * DQK + 3 * DV)
+
+
+# --------------------------------------------------------------------------------------------
+# Methods: each returns out [T, H, Dv] from (q, k, v) that may require grad.
+
+
+def make_methods(batch, seqlen, heads, cu, scale):
+    t = batch * seqlen
+
+    def ours(backend):
+        return lambda q, k, v: verl_ops.mla_forward_padded(
+            q, k, v, cu, cu, seqlen, seqlen, causal=True, softmax_scale=scale, backend=backend, validate=False
+        )
+
+    def megatron(q, k, v):
+        vp = F.pad(v, (0, DQK - DV))
+        out = torch.ops.aten._flash_attention_forward(q, k, vp, cu, cu, seqlen, seqlen, 0.0, True, False, scale=scale)[0]
+        return out[..., :DV]
+
+    def cudnn_varlen(q, k, v):
+        return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, seqlen, seqlen, True, 0.0, True, False, scale=scale)[0]
+
+    def efficient(q, k, v):
+        out = torch.ops.aten._efficient_attention_forward(
+            q[None], k[None], v[None], None, cu, cu, seqlen, seqlen, 0.0, 1, True, scale=scale
+        )[0]
+        return out[0]
+
+    def dense(backend):
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        kind = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}[backend]
+
+        def f(q, k, v):
+            def bhsd(x):
+                return x.view(batch, seqlen, heads, x.shape[-1]).transpose(1, 2)
+
+            with sdpa_kernel([kind]):
+                o = F.scaled_dot_product_attention(bhsd(q), bhsd(k), bhsd(v), is_causal=True, scale=scale)
+            return o.transpose(1, 2).reshape(t, heads, DV)
+
+        return f
+
+    return {
+        "ours padded": (ours("padded"), None),
+        "ours native": (ours("native"), None),
+        "ours auto": (ours("auto"), None),
+        "megatron path": (megatron, None),
+        "aten cudnn varlen": (cudnn_varlen, 3),
+        "aten efficient": (efficient, None),
+        "sdpa flash": (dense("flash"), None),
+        "sdpa efficient": (dense("efficient"), None),
+        "sdpa cudnn": (dense("cudnn"), None),
+    }
+
+
+def reference_tail(q, k, v, seqlen, scale, rows=128):
+    """float32 attention of the last `rows` queries of the last sequence: [rows, H, Dv]."""
+    t = q.shape[0]
+    s0 = t - seqlen
+    qs = q[t - rows :].float().transpose(0, 1)
+    ks = k[s0:].float().transpose(0, 1)
+    vs = v[s0:].float().transpose(0, 1)
+    scores = scale * qs @ ks.transpose(1, 2)
+    i = torch.arange(seqlen - rows, seqlen, device=q.device).unsqueeze(1)
+    j = torch.arange(seqlen, device=q.device).unsqueeze(0)
+    scores = scores.masked_fill(j > i, float("-inf"))
+    return (scores.softmax(-1) @ vs).transpose(0, 1)
+
+
+def run_shape(batch, seqlen, heads, reps, floor, gen):
+    t = batch * seqlen
+    scale = 1.0 / math.sqrt(DQK)
+    q = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
+    k = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
+    v = torch.randn(t, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+    cu = torch.arange(0, t + 1, seqlen, device="cuda", dtype=torch.int32)
+    ref = reference_tail(q, k, v, seqlen, scale)
+    f_fwd, f_all = flops(batch, seqlen, heads)
+    rows = []
+    for name, (fn, rep_cap) in make_methods(batch, seqlen, heads, cu, scale).items():
+        n = min(reps, rep_cap) if rep_cap else reps
+        row = {"method": name}
+        try:
+            with torch.no_grad():
+                out = fn(q, k, v)
+            torch.cuda.synchronize()
+            if tuple(out.shape) != (t, heads, DV):
+                raise RuntimeError(f"output shape {tuple(out.shape)}")
+            err = float((out[t - ref.shape[0] :].float() - ref).norm() / ref.norm())
+            row["rel_err"] = err
+            if not err < 2e-2:
+                raise RuntimeError(f"output mismatch: relative error {err:.3g}")
+            with torch.no_grad():
+                row["fwd_s"] = time_cuda(lambda: fn(q, k, v), n, warmup=1 if rep_cap else 3)
+            qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
+            g = torch.randn(t, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
+
+            def fwd_bwd():
+                o = fn(qg, kg, vg)
+                torch.autograd.backward(o, g)
+                qg.grad = kg.grad = vg.grad = None
+
+            row["fwd_tflops"] = f_fwd / row["fwd_s"] / 1e12
+            try:
+                row["all_s"] = time_cuda(fwd_bwd, n, warmup=1 if rep_cap else 3)
+                row["all_tflops"] = f_all / row["all_s"] / 1e12
+            except Exception as e:  # forward works, backward does not: report both
+                row["bwd_error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:120]}"
+        except Exception as e:  # report, keep going
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            row["error"] = f"{type(e).__name__}: {msg[:160]}"
+            if os.environ.get("BENCH_MLA_TRACE"):
+                traceback.print_exc()
+        rows.append(row)
+        print(fmt_row(f"{batch}x{seqlen} H{heads}", row, floor), flush=True)
+    return rows
+
+
+def fmt_row(shape, r, floor):
+    if "error" in r:
+        return f"| {shape} | {r['method']} | error: {r['error']} | | | | |"
+    fwd = f"{r['fwd_s'] * 1e3:.3f} | {r['fwd_tflops']:.0f} ({r['fwd_tflops'] / floor:.0%})"
+    if "bwd_error" in r:
+        both = f"backward error: {r['bwd_error']} |"
+    else:
+        both = f"{r['all_s'] * 1e3:.3f} | {r['all_tflops']:.0f} ({r['all_tflops'] / floor:.0%})"
+    return f"| {shape} | {r['method']} | {fwd} | {both} | {r['rel_err']:.1e} |"
+
+
+HEADER = [
+    "| shape (B x S, heads) | method | fwd ms | fwd TFLOP/s (of floor) | fwd+bwd ms | fwd+bwd TFLOP/s (of floor) | rel err |",
+    "|---|---|---|---|---|---|---|",
+]
+
+
+def summary(results):
+    lines = []
+    for shape, rows in results:
+        by = {r["method"]: r for r in rows if "error" not in r and "bwd_error" not in r}
+        base = by.get("megatron path")
+        if not base:
+            continue
+        for m in ("ours padded", "ours native", "ours auto"):
+            if m in by:
+                lines.append(
+                    f"- {shape}: {m} vs megatron path: forward {base['fwd_s'] / by[m]['fwd_s']:.2f}x, "
+                    f"fwd+bwd {base['all_s'] / by[m]['all_s']:.2f}x"
+                )
+    return lines
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="two small shapes, few repeats")
+    p.add_argument("--reps", type=int, default=None, help="timed repeats per method (default 30; quick 5)")
+    p.add_argument("--out", default=None, help="write a markdown section here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_mla: needs a CUDA device")
+        return 1
+    if not verl_ops.cuda_available():
+        print("bench_mla: verl_ops was built without its CUDA kernels")
+        return 1
+    reps = args.reps or (5 if args.quick else 30)
+    gen = torch.Generator(device="cuda").manual_seed(args.seed)
+    floor = matmul_tflops(reps)
+    dev = torch.cuda.get_device_name()
+    print(f"device {dev}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16 matmul floor {floor:.0f} TFLOP/s")
+    print("\n".join(HEADER))
+    results = []
+    for batch, seqlen, heads in QUICK_SHAPES if args.quick else SHAPES:
+        rows = run_shape(batch, seqlen, heads, reps, floor, gen)
+        results.append((f"{batch}x{seqlen} H{heads}", rows))
+    lines = summary(results)
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(f"## mla_forward_padded — {dev}\n\n")
+            f.write(f"- date: {datetime.date.today()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}\n")
+            f.write(f"- command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`\n")
+            f.write(f"- bf16 matmul floor (8192^3, same run): {floor:.0f} TFLOP/s\n")
+            f.write("- causal FLOPs: fwd = H*S^2*(Dqk+Dv), fwd+bwd = H*S^2*(4*Dqk+3*Dv) per sequence; Dqk=192, Dv=128, bf16\n\n")
+            f.write("\n".join(HEADER) + "\n")
+            for shape, rows in results:
+                for r in rows:
+                    f.write(fmt_row(shape, r, floor) + "\n")
+            f.write("\n" + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+// CUDA helper kernels of mla_forward_padded: raw pointers, sizes and a stream, no ATen.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "../core/mla.h"
+
+namespace verl_ops {
+namespace cuda {
+
+// One tensor to pad: src rows [tokens, heads, src_cols] (strides of g in elements, unit inner
+// stride) -> dst [tokens, heads, dst_cols] contiguous, zeros in columns [src_cols, dst_cols).
+struct PadJob {
+  const void* src;
+  void* dst;
+  core::PadGeometry g;
+};
+
+constexpr int kMaxPadJobs = 3;
+
+// Pads up to kMaxPadJobs tensors that share the column counts and element size in one launch.
+cudaError_t launch_pad_last_dim(const PadJob* jobs, int num_jobs, int64_t src_cols,
+                                int64_t dst_cols, int64_t elem_bytes, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace verl_ops
