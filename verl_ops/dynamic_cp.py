@@ -547,14 +547,17 @@ def dynamic_cp_merge(outputs, split: DynamicCPSplit, *, lengths=None):
 def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
     plan, groups = split.plan, split.groups
     G = plan.num_groups
-    error, values, ls, nested = None, None, None, True
+    error, values, ls, nested, local = None, None, None, True, None
     try:
         values, ls, nested = _output_parts(op, out, lengths)
         if len(ls) != len(plan.sample_ids):
             raise ValueError(
                 f"{op}: this rank's group holds {len(plan.sample_ids)} sequences but the outputs have {len(ls)}"
             )
-    except (ValueError, TypeError) as e:
+        # Everything that can fail on this rank alone happens before the first collective.
+        # Bytes, so every dtype travels the same way (gloo and NCCL lack some dtypes, e.g. bool).
+        local = values.detach().contiguous().view(values.shape[0], math.prod(values.shape[1:])).view(torch.uint8)
+    except (ValueError, TypeError, RuntimeError) as e:
         error = e
     if G == 1 or groups is None:
         if error is not None:
@@ -593,8 +596,7 @@ def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
         return _finish(empty, merged_lengths, nested)
 
     dist = _dist()
-    # Bytes, so every dtype travels the same way (gloo and NCCL lack some dtypes, e.g. bool).
-    local = values.detach().contiguous().view(values.shape[0], -1).view(torch.uint8).to(device)
+    local = local.to(device)
     if local.shape[0] == max_total:
         send = local
     else:
