@@ -216,6 +216,15 @@ def check_layout_mismatch(rank, world, backend):
         RuntimeError, "CP ranks disagree on the THD layout",
         lambda: verl_ops.postprocess_thd(packed, layout, rank, group=dist.group.WORLD),
     )
+    # One rank with a wrong argument: its own ValueError there, a RuntimeError on the others.
+    layout = ThdLayout.from_lengths([6, 2], cp_size=world, device=device)
+    packed = torch.ones(layout.local_rows, 2, device=device)
+    if rank == 1:
+        _expect_raises(ValueError, "cp_rank=0 but this process is rank 1", lambda: verl_ops.postprocess_thd(
+            packed, layout, 0, group=dist.group.WORLD))
+    else:
+        _expect_raises(RuntimeError, "CP rank\\(s\\) \\[1\\] rejected", lambda: verl_ops.postprocess_thd(
+            packed, layout, rank, group=dist.group.WORLD))
     # The group is still in step afterwards.
     _roundtrip_one(rank, world, dist.group.WORLD, device, random.Random(3), [6, 2], ("zigzag", False, False, 1), (2,),
                    torch.float32)
