@@ -207,6 +207,24 @@ def check_postprocess_grad(rank, world, backend):
     return True
 
 
+def check_postprocess_compile(rank, world, backend):
+    """The group path traces under torch.compile(fullgraph=True) (functional collectives)."""
+    dist, device = _setup(rank, backend)
+    torch._dynamo.reset()
+    group = dist.group.WORLD
+
+    def f(packed, layout):
+        return verl_ops.postprocess_thd(packed, layout, rank, group=group, as_nested=False) * 2
+
+    cf = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for lengths in ([7, 12, 3], [5, 1, 9, 30]):
+        layout = ThdLayout.from_lengths(lengths, cp_size=world, device=device)
+        _, values = _data(random.Random(len(lengths)), lengths, (2,), torch.float32)
+        packed, _ = verl_ops.preprocess_thd(values.to(device), layout, rank)
+        assert torch.equal(cf(packed, layout).cpu(), values * 2)
+    return True
+
+
 def check_layout_mismatch(rank, world, backend):
     dist, device = _setup(rank, backend)
     lengths = [5, 7] if rank == 0 else [5, 8]
@@ -407,33 +425,45 @@ def check_dynamic_errors(rank, world, backend):
     return True
 
 
-def check_dynamic_subgroup_parent(rank, world, backend):
-    """DynamicCPGroups of a sub-group of the world (DPxCP groups inside a larger job)."""
-    dist, device = _setup(rank, backend)
-    half = world // 2
-    parents = [dist.new_group(list(range(0, half))), dist.new_group(list(range(half, world)))]
-    parent = parents[rank // half]
-    groups = DynamicCPGroups(parent)
-    assert groups.dp_size == half and groups.dp_rank == rank % half
-    lengths = [3, 9, 4, 1, 7][: half + 1] if rank < half else [2, 2, 8, 5, 6, 1][: 2 * half]
+def _split_merge_roundtrip(device, groups, lengths, max_per, expect_cp):
     seqs = _sample_values(lengths)
-    split = dynamic_cp_split(_nested(seqs, device), 16, groups=groups)
+    split = dynamic_cp_split(_nested(seqs, device), max_per, groups=groups)
+    assert split.local_cp_size == expect_cp
     outs = [_fake_model(split.batch[k], i) for k, i in enumerate(split.plan.sample_ids)]
     merged = dynamic_cp_merge(_nested(outs, device), split)
     expected = torch.cat([_fake_model(s.to(device), i).cpu() for i, s in enumerate(seqs)])
     assert torch.equal(merged.values().cpu(), expected)
+    return split
+
+
+def check_dynamic_subgroup_parent(rank, world, backend):
+    """DynamicCPGroups of sub-groups of the world (the DPxCP groups of a job with TP / PP)."""
+    dist, device = _setup(rank, backend)
+    half = world // 2
+    parents = [list(range(0, half)), list(range(half, world))]
+    pgs = [dist.new_group(p) for p in parents]
+    parent = pgs[rank // half]
+    groups = DynamicCPGroups(parent, all_group_ranks=parents)
+    assert groups.dp_size == half and groups.dp_rank == rank % half
+    lengths = [3, 9, 4, 1, 7][: half + 1] if rank < half else [2, 2, 8, 5, 6, 1][: 2 * half]
+    _split_merge_roundtrip(device, groups, lengths, 16, 1)
     if half > 1:
         assert groups.cp_group(half) is parent
-    # A parent that is not the world group object, spanning every rank: sub-groups are created
-    # with group-local synchronisation.
-    everyone = DynamicCPGroups(dist.new_group(list(range(world))))
-    lengths = [5] * world + [12]
-    split = dynamic_cp_split(_nested(_sample_values(lengths), device), 8, groups=everyone)
-    assert split.local_cp_size == 2
-    if world > 2:
-        assert dist.get_process_group_ranks(everyone.merge_group(2)) == list(range(rank % 2, world, 2))
-    merged = dynamic_cp_merge(split.batch, split)
-    assert torch.equal(merged.values().cpu(), torch.cat(_sample_values(lengths)))
+    # A parent spanning every rank that is not the world group object: sub-groups of size 2 are
+    # created, from the list of all DPxCP groups, or group-locally when the backend allows it.
+    everyone = dist.new_group(list(range(world)))
+    modes = [{"all_group_ranks": [list(range(world))]}]
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None) is not None
+    if bound:
+        _expect_raises(RuntimeError, "pass all_group_ranks=", lambda: DynamicCPGroups(everyone))
+    else:
+        modes.append({})
+    for kwargs in modes:
+        groups = DynamicCPGroups(everyone, **kwargs)
+        if world > 2:
+            assert dist.get_process_group_ranks(groups.merge_group(2)) == list(range(rank % 2, world, 2))
+            assert dist.get_process_group_ranks(groups.cp_group(2)) == [rank - rank % 2, rank - rank % 2 + 1]
+        _split_merge_roundtrip(device, groups, [5] * world + [12], 8, 2)
     return True
 
 
@@ -451,6 +481,10 @@ def test_postprocess_all_padding_rank(dist_run):
 
 def test_postprocess_gradient_local_shard_only(dist_run):
     assert all(dist_run("check_postprocess_grad"))
+
+
+def test_postprocess_compile(dist_run):
+    assert all(dist_run("check_postprocess_compile"))
 
 
 def test_postprocess_layout_mismatch_raises(dist_run):

@@ -35,8 +35,12 @@ def _scatter_backward(ctx, grad_out):
     return _ops.jagged_gather(grad_out.contiguous(), src_starts, cu_out, ctx.total_out), None, None, None
 
 
-torch.library.register_autograd("verl_ops::jagged_gather", _gather_backward, setup_context=_gather_setup_context)
-torch.library.register_autograd("verl_ops::jagged_scatter", _scatter_backward, setup_context=_scatter_setup_context)
+torch.library.register_autograd(
+    "verl_ops::jagged_gather", _gather_backward, setup_context=_gather_setup_context
+)
+torch.library.register_autograd(
+    "verl_ops::jagged_scatter", _scatter_backward, setup_context=_scatter_setup_context
+)
 
 
 # --------------------------------------------------------------------------------------------
@@ -52,11 +56,16 @@ def _tracing(t: torch.Tensor) -> bool:
 
 
 def _check_index_tensors(op: str, src_starts, cu_seqlens_out) -> None:
-    for name, t, dtype in (("src_starts", src_starts, torch.int64), ("cu_seqlens_out", cu_seqlens_out, torch.int32)):
+    for name, t, dtype in (
+        ("src_starts", src_starts, torch.int64),
+        ("cu_seqlens_out", cu_seqlens_out, torch.int32),
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {name} must be a tensor, got {type(t)}")
         if t.dtype != dtype or t.dim() != 1:
-            raise ValueError(f"{op}: {name} must be a 1-D {dtype} tensor, got {t.dtype} of shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{op}: {name} must be a 1-D {dtype} tensor, got {t.dtype} of shape {tuple(t.shape)}"
+            )
     if cu_seqlens_out.shape[0] != src_starts.shape[0] + 1:
         raise ValueError(
             f"{op}: cu_seqlens_out must have len(src_starts) + 1 = {src_starts.shape[0] + 1} entries, "
@@ -64,7 +73,9 @@ def _check_index_tensors(op: str, src_starts, cu_seqlens_out) -> None:
         )
 
 
-def _check_values_on_host(op: str, src_starts, cu_out, gathered_rows: int, pool_rows: int, scatter: bool) -> None:
+def _check_values_on_host(
+    op: str, src_starts, cu_out, gathered_rows: int, pool_rows: int, scatter: bool
+) -> None:
     """The C++ CPU checks, for index tensors that live on a device."""
     both = torch.cat([cu_out.to(torch.int64), src_starts]).cpu()  # one device-to-host copy
     n = src_starts.shape[0]
@@ -75,23 +86,29 @@ def _check_values_on_host(op: str, src_starts, cu_out, gathered_rows: int, pool_
     if n and bool((lens < 0).any()):
         j = int((lens < 0).nonzero()[0])
         raise RuntimeError(
-            f"{op}: cu_seqlens_out must be non-decreasing, got {int(cu[j])} then {int(cu[j + 1])} at index {j}"
+            f"{op}: cu_seqlens_out must be non-decreasing, got {int(cu[j])} then {int(cu[j + 1])} "
+            f"at index {j}"
         )
     bad = (st < 0) | (st + lens > pool_rows)
     if n and bool(bad.any()):
         j = int(bad.nonzero()[0])
         raise RuntimeError(
-            f"{op}: src_starts[{j}]={int(st[j])} with length {int(lens[j])} is outside the {pool_rows} source rows"
+            f"{op}: src_starts[{j}]={int(st[j])} with length {int(lens[j])} is outside the "
+            f"{pool_rows} source rows"
         )
     if int(cu[-1]) != gathered_rows:
-        raise RuntimeError(f"{op}: cu_seqlens_out[-1]={int(cu[-1])} but the gathered side has {gathered_rows} rows")
+        raise RuntimeError(
+            f"{op}: cu_seqlens_out[-1]={int(cu[-1])} but the gathered side has {gathered_rows} rows"
+        )
     if scatter and n > 1:
         keep = lens > 0
         s, e = st[keep], (st + lens)[keep]
         order = torch.argsort(s)
         s, e = s[order], e[order]
         if bool((s[1:] < e[:-1]).any()):
-            raise RuntimeError(f"{op}: src_starts select overlapping rows; the scatter needs each row at most once")
+            raise RuntimeError(
+                f"{op}: src_starts select overlapping rows; the scatter needs each row at most once"
+            )
 
 
 def jagged_gather(

@@ -271,7 +271,9 @@ def check_layout_across_ranks(layout: ThdLayout, group, device, local_error: Exc
         if local_error is not None:
             raise local_error
         bad = rows[:, 0].nonzero().flatten().tolist()
-        raise RuntimeError(f"verl_ops: CP rank(s) {bad} rejected their postprocess_thd arguments (their error says why)")
+        raise RuntimeError(
+            f"verl_ops: CP rank(s) {bad} rejected their postprocess_thd arguments (their error says why)"
+        )
     rows = rows[:, 1:]
     if not bool((rows == rows[0]).all()):
         raise RuntimeError(
@@ -328,7 +330,14 @@ def _postprocess_over_group(op, packed, layout, cp_rank, group, attention_mask, 
     elif error is not None:
         raise error
     local = packed.contiguous()
-    gathered = funcol.all_gather_tensor(local.detach(), gather_dim=0, group=group)
+    if torch.compiler.is_compiling():
+        gathered = funcol.all_gather_tensor(local.detach(), gather_dim=0, group=group)
+    else:
+        # Eagerly the plain collective: the same all-gather without the functional wrapper's
+        # per-call overhead.
+        flat = local.detach().reshape(-1)
+        gathered = torch.empty(layout.cp_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(gathered, flat, group=group)
     gathered = gathered.view(layout.cp_size, *local.shape)
     return _UnpackLocalShard.apply(
         local,

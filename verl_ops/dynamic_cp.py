@@ -156,7 +156,8 @@ def plan_dynamic_cp(
         if local_cp_size > dp_size:
             raise ValueError(
                 f"{op}: the longest sequence ({max(lengths)} tokens) needs local_cp_size={local_cp_size} "
-                f"(next power of two of ceil({max(lengths)} / max_seqlen_per_dp_cp_rank={max_seqlen_per_dp_cp_rank})) "
+                f"(next power of two of ceil({max(lengths)} / "
+                f"max_seqlen_per_dp_cp_rank={max_seqlen_per_dp_cp_rank})) "
                 f"but dp_size is {dp_size}; raise max_seqlen_per_dp_cp_rank or cap the sequence length"
             )
         local_cp_size = next(s for s in _valid_cp_sizes(dp_size) if s >= local_cp_size)
@@ -197,20 +198,30 @@ class DynamicCPGroups:
 
     For every valid CP size s (powers of two dividing ``dp_size``, and ``dp_size``): the CP groups
     ``[g*s, (g+1)*s)`` (what ``mpu.get_dynamic_data_context_parallel_groups(group_size=s)`` returns)
-    and the merge groups ``{c, c+s, c+2s, ...}`` (one rank of each CP group). ``new_group`` is
-    collective, so every rank of ``group`` must construct this object at the same point; groups
-    are created in one fixed order. With ``group`` the default (world) group every process creates
-    every group; with a sub-group each process creates the groups it belongs to, with
-    group-local synchronisation, so DPxCP groups of a larger job (TP / PP) build theirs
-    independently.
+    and the merge groups ``{c, c+s, c+2s, ...}`` (one rank of each CP group).
+
+    ``new_group`` is collective, so the object is built at the same point on every rank, and the
+    groups are created in one fixed order:
+
+    - ``group`` the world group (default): every process creates every group.
+    - ``group`` a sub-group (the DPxCP group of a job with TP / PP) and ``all_group_ranks`` the
+      global ranks of *every* DPxCP group of the job (the same list on every process): every
+      process creates every sub-group of every DPxCP group and keeps its own. This is the mode
+      that works whatever the backend's initialisation (NCCL bound to a device splits
+      communicators, which needs every process of the world in every ``new_group``).
+    - ``group`` a sub-group alone: each process creates only its own groups, with group-local
+      synchronisation. Not possible when the default NCCL group is bound to a device (eager
+      initialisation); that raises and asks for ``all_group_ranks``.
 
     Args:
-        group: the DPxCP process group (default: the world group).
+        group: this process's DPxCP process group (default: the world group).
+        all_group_ranks: the global ranks of every DPxCP group of the job, each in increasing
+            order, all of one size (see above).
     """
 
     _cache: dict = {}
 
-    def __init__(self, group=None):
+    def __init__(self, group=None, *, all_group_ranks=None):
         dist = _dist()
         if not dist.is_initialized():
             raise RuntimeError("DynamicCPGroups: torch.distributed is not initialized")
@@ -221,46 +232,63 @@ class DynamicCPGroups:
         self.dp_rank = dist.get_rank(self.group)
         self.backend = dist.get_backend(self.group)
         self.sizes = tuple(_valid_cp_sizes(self.dp_size))
-        local = self.group is not world
+        if list(self.ranks) != sorted(self.ranks):
+            raise RuntimeError(
+                f"DynamicCPGroups: the group's ranks {list(self.ranks)} must be in increasing order, so that "
+                "sub-group ranks follow the group's order"
+            )
+        if all_group_ranks is not None:
+            parents = [tuple(int(r) for r in ranks) for ranks in all_group_ranks]
+            if self.ranks not in parents or any(len(p) != self.dp_size for p in parents):
+                raise ValueError(
+                    f"DynamicCPGroups: all_group_ranks must list every DPxCP group, each of {self.dp_size} "
+                    f"ranks, including this group {list(self.ranks)}; got {[list(p) for p in parents]}"
+                )
+            local = False
+        elif self.group is world:
+            parents, local = [self.ranks], False
+        else:
+            default = dist.distributed_c10d._get_default_group()
+            if getattr(default, "bound_device_id", None) is not None:
+                raise RuntimeError(
+                    "DynamicCPGroups: the default process group is bound to a device (eager NCCL "
+                    "initialisation), so every process must take part in creating every sub-group; pass "
+                    "all_group_ranks= (the global ranks of every DPxCP group, the same on every process)"
+                )
+            parents, local = [self.ranks], True
         me = dist.get_rank()
         self._cp, self._merge = {}, {}
         for s in self.sizes:
-            specs = [("cp", s, self.ranks[g * s : (g + 1) * s]) for g in range(self.dp_size // s)]
-            specs += [("merge", s, self.ranks[c :: s]) for c in range(s)]
-            for kind, size, members in specs:
-                table = self._cp if kind == "cp" else self._merge
-                mine = me in members
-                if len(members) == 1:
-                    pg = None
-                elif len(members) == self.dp_size:
-                    pg = self.group
-                elif local:
-                    pg = dist.new_group(list(members), use_local_synchronization=True) if mine else None
-                else:
-                    pg = dist.new_group(list(members))
-                if mine:
-                    if pg is not None and list(dist.get_process_group_ranks(pg)) != list(members):
-                        raise RuntimeError(
-                            f"DynamicCPGroups: the parent group's ranks {list(self.ranks)} must be in increasing "
-                            "order so that sub-group ranks follow group order"
-                        )
-                    table[size] = pg
+            for parent in parents:
+                specs = [(self._cp, parent[g * s : (g + 1) * s]) for g in range(self.dp_size // s)]
+                specs += [(self._merge, parent[c::s]) for c in range(s)]
+                for table, members in specs:
+                    mine = me in members
+                    if len(members) == 1 or len(members) == self.dp_size:
+                        # No new group: a single rank, or the parent itself.
+                        pg = self.group if mine and len(members) > 1 else None
+                    elif local:
+                        pg = dist.new_group(list(members), use_local_synchronization=True) if mine else None
+                    else:
+                        pg = dist.new_group(list(members))
+                    if mine:
+                        table[s] = pg
 
     @classmethod
-    def for_group(cls, group=None) -> DynamicCPGroups:
+    def for_group(cls, group=None, *, all_group_ranks=None) -> DynamicCPGroups:
         """The cached instance for ``group`` (created on first use: collective, see the class doc)."""
         dist = _dist()
         key = dist.group.WORLD if group is None else group
         inst = cls._cache.get(key)
         if inst is None:
-            inst = cls._cache[key] = cls(group)
+            inst = cls._cache[key] = cls(group, all_group_ranks=all_group_ranks)
         return inst
 
     def _size(self, local_cp_size: int) -> int:
         if local_cp_size not in self.sizes:
             raise ValueError(
-                f"DynamicCPGroups: local_cp_size must be one of {list(self.sizes)} for dp_size={self.dp_size}, "
-                f"got {local_cp_size!r}"
+                f"DynamicCPGroups: local_cp_size must be one of {list(self.sizes)} for "
+                f"dp_size={self.dp_size}, got {local_cp_size!r}"
             )
         return local_cp_size
 
@@ -301,9 +329,13 @@ def _lengths_of_nested(op: str, x: torch.Tensor) -> list:
 def _as_lengths(op: str, lengths) -> list:
     if isinstance(lengths, torch.Tensor):
         if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
-            raise ValueError(f"{op}: lengths must be a 1-D integer tensor, got {lengths.dtype} {tuple(lengths.shape)}")
+            raise ValueError(
+                f"{op}: lengths must be a 1-D integer tensor, got {lengths.dtype} {tuple(lengths.shape)}"
+            )
         return lengths.tolist()
-    if not isinstance(lengths, Sequence) or any(isinstance(n, bool) or not isinstance(n, int) for n in lengths):
+    if not isinstance(lengths, Sequence) or any(
+        isinstance(n, bool) or not isinstance(n, int) for n in lengths
+    ):
         raise ValueError(f"{op}: lengths must be a sequence of ints or a 1-D integer tensor")
     return list(lengths)
 
@@ -326,7 +358,9 @@ def _parse_batch(op: str, batch, lengths):
             if given is None:
                 raise ValueError(f"{op}: a values tensor [total, *F] needs lengths=")
             if t.dim() < 1 or t.shape[0] != sum(given):
-                raise ValueError(f"{op}: values must be [sum(lengths)={sum(given)}, *F], got {tuple(t.shape)}")
+                raise ValueError(
+                    f"{op}: values must be [sum(lengths)={sum(given)}, *F], got {tuple(t.shape)}"
+                )
             ls = given
             items[name] = _Item("values", t)
         else:
@@ -367,7 +401,10 @@ def _select(items: dict, lengths: list, ids: Sequence, single: bool):
         if it.kind == "nested":
             lens = [lengths[i] for i in ids]
             out[name] = torch.nested.nested_tensor_from_jagged(
-                sel, offsets=cu.to(torch.int64), min_seqlen=min(lens, default=0), max_seqlen=max(lens, default=0)
+                sel,
+                offsets=cu.to(torch.int64),
+                min_seqlen=min(lens, default=0),
+                max_seqlen=max(lens, default=0),
             )
         else:
             out[name] = (sel, torch.tensor([lengths[i] for i in ids], dtype=torch.int64))
@@ -414,7 +451,9 @@ def _raise_collected(op: str, status: torch.Tensor, local_error: BaseException |
         return
     if local_error is not None:
         raise local_error
-    raise RuntimeError(f"{op}: rank(s) {bad} of the group rejected their {what} (their error says why); nothing was done")
+    raise RuntimeError(
+        f"{op}: rank(s) {bad} of the group rejected their {what} (their error says why); nothing was done"
+    )
 
 
 def dynamic_cp_split(
@@ -539,7 +578,8 @@ def dynamic_cp_merge(outputs, split: DynamicCPSplit, *, lengths=None):
         keys = sorted(outputs)
         key_hash = _crc(keys)
         return {
-            k: _merge_one(op, outputs[k], split, None if lengths is None else lengths.get(k), key_hash) for k in keys
+            k: _merge_one(op, outputs[k], split, None if lengths is None else lengths.get(k), key_hash)
+            for k in keys
         }
     return _merge_one(op, outputs, split, lengths, 0)
 
@@ -552,11 +592,13 @@ def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
         values, ls, nested = _output_parts(op, out, lengths)
         if len(ls) != len(plan.sample_ids):
             raise ValueError(
-                f"{op}: this rank's group holds {len(plan.sample_ids)} sequences but the outputs have {len(ls)}"
+                f"{op}: this rank's group holds {len(plan.sample_ids)} sequences but the outputs have "
+                f"{len(ls)}"
             )
         # Everything that can fail on this rank alone happens before the first collective.
         # Bytes, so every dtype travels the same way (gloo and NCCL lack some dtypes, e.g. bool).
-        local = values.detach().contiguous().view(values.shape[0], math.prod(values.shape[1:])).view(torch.uint8)
+        rows_2d = values.detach().contiguous().view(values.shape[0], math.prod(values.shape[1:]))
+        local = rows_2d.view(torch.uint8)
     except (ValueError, TypeError, RuntimeError) as e:
         error = e
     if G == 1 or groups is None:
@@ -570,7 +612,8 @@ def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
     if error is None:
         feat = tuple(values.shape[1:])
         row_bytes = math.prod(feat) * values.element_size()
-        header = [0, len(ls), _crc(str(values.dtype)), _crc(feat), row_bytes, plan.fingerprint(), key_hash, sum(ls)]
+        header = [0, len(ls), _crc(str(values.dtype)), _crc(feat), row_bytes, plan.fingerprint(), key_hash]
+        header.append(sum(ls))
         header += ls + [0] * (maxn - len(ls))
     else:
         header = [1] + [0] * (_HEADER - 1 + maxn)
@@ -578,12 +621,14 @@ def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
     _raise_collected(op, rows[:, 0], error, "outputs")
     if not bool((rows[:, 2:7] == rows[0, 2:7]).all()):
         raise RuntimeError(
-            f"{op}: the groups' outputs disagree (dtype, feature shape, row bytes, plan, keys hashes per group: "
+            f"{op}: the groups' outputs disagree (dtype, feature shape, row bytes, plan, keys hashes per "
+            "group: "
             f"{rows[:, 2:7].tolist()})"
         )
     counts = rows[:, 1].tolist()
     if counts != [len(g) for g in plan.groups]:
-        raise RuntimeError(f"{op}: sequences per group {counts} do not match the plan {[len(g) for g in plan.groups]}")
+        expected = [len(g) for g in plan.groups]
+        raise RuntimeError(f"{op}: sequences per group {counts} do not match the plan {expected}")
     totals = rows[:, _HEADER - 1].tolist()
     max_total = max(totals)
     feat = tuple(values.shape[1:])
