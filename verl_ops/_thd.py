@@ -330,7 +330,11 @@ def _postprocess_over_group(op, packed, layout, cp_rank, group, attention_mask, 
     elif error is not None:
         raise error
     local = packed.contiguous()
-    if torch.compiler.is_compiling():
+    if local.numel() == 0:
+        # Nothing to move (an empty batch or zero-width rows, the same on every rank of a
+        # consistent layout): no zero-size collective.
+        gathered = local.detach().new_empty((layout.cp_size * local.shape[0], *local.shape[1:]))
+    elif torch.compiler.is_compiling():
         gathered = funcol.all_gather_tensor(local.detach(), gather_dim=0, group=group)
     else:
         # Eagerly the plain collective: the same all-gather without the functional wrapper's
