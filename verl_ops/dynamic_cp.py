@@ -486,7 +486,8 @@ def dynamic_cp_split(
 
     Returns:
         :class:`DynamicCPSplit` ``(batch, local_cp_size, cp_group, plan, groups)``. The selection
-        is differentiable (its backward scatters into the whole batch).
+        is differentiable (its backward scatters into the whole batch); when one group holds the
+        whole batch the input tensors are returned as they are.
     """
     op = "dynamic_cp_split"
     dist = _dist()
@@ -526,7 +527,13 @@ def dynamic_cp_split(
     if error is not None:
         raise error
     items, lens, single = parsed
-    local = _select(items, list(plan.lengths), plan.sample_ids, single)
+    if plan.num_groups == 1:
+        # One group holds the whole batch: nothing to select, nothing to copy.
+        local = {n: (it.tensor, torch.tensor(lens, dtype=torch.int64)) if it.kind == "values" else it.tensor
+                 for n, it in items.items()}
+        local = local[None] if single else local
+    else:
+        local = _select(items, list(plan.lengths), plan.sample_ids, single)
     cp_group = groups.cp_group(plan.local_cp_size) if groups is not None else None
     return DynamicCPSplit(local, plan.local_cp_size, cp_group, plan, groups)
 
