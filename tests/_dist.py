@@ -69,7 +69,14 @@ class DistTimeout(AssertionError):
 class DistPool:
     """``world_size`` processes in one process group; see the module doc."""
 
-    def __init__(self, world_size: int, backend: str = "gloo", *, pg_timeout_s: float = 30.0, start_timeout_s: float = 180.0):
+    def __init__(
+        self,
+        world_size: int,
+        backend: str = "gloo",
+        *,
+        pg_timeout_s: float = 30.0,
+        start_timeout_s: float = 180.0,
+    ):
         self.world_size = world_size
         self.backend = backend
         self.pg_timeout_s = pg_timeout_s
@@ -86,7 +93,10 @@ class DistPool:
         self._procs = [
             ctx.Process(
                 target=_worker,
-                args=(r, self.world_size, self.backend, init_file, self.pg_timeout_s, self._tasks[r], self._results, list(sys.path)),
+                args=(
+                    r, self.world_size, self.backend, init_file, self.pg_timeout_s,
+                    self._tasks[r], self._results, list(sys.path),
+                ),
                 daemon=True,
             )
             for r in range(self.world_size)
