@@ -7,8 +7,10 @@ autograd, and drop-ins for verl (:mod:`verl_ops.integrations.verl`).
 import torch  # noqa: F401  (loads libtorch before our extension)
 
 from . import _C  # noqa: F401  (registers torch.ops.verl_ops)
+from ._jagged import jagged_gather, jagged_scatter
 from ._mla import mla_forward_padded
 from ._thd import postprocess_thd, preprocess_thd
+from .dynamic_cp import DynamicCPGroups, DynamicCPPlan, dynamic_cp_merge, dynamic_cp_split, plan_dynamic_cp
 from .layout import ThdLayout
 
 __version__ = "0.1.0"
@@ -17,6 +19,13 @@ __all__ = [
     "ThdLayout",
     "preprocess_thd",
     "postprocess_thd",
+    "jagged_gather",
+    "jagged_scatter",
+    "DynamicCPGroups",
+    "DynamicCPPlan",
+    "plan_dynamic_cp",
+    "dynamic_cp_split",
+    "dynamic_cp_merge",
     "mla_forward_padded",
     "cuda_available",
     "__version__",

@@ -257,19 +257,29 @@ def _layout_fingerprint(layout: ThdLayout) -> list:
     return [layout.cp_size, layout.batch_size, layout.total_tokens, layout.total_padded, h1, h2]
 
 
-def check_layout_across_ranks(layout: ThdLayout, group, device) -> None:
-    """Raise on every rank when the ranks of ``group`` hold different layouts.
+def check_layout_across_ranks(layout: ThdLayout, group, device, local_error: Exception | None = None) -> None:
+    """Raise on every rank when the ranks of ``group`` hold different layouts, or when a rank
+    found its own arguments wrong (``local_error``: re-raised there, a RuntimeError elsewhere).
 
     One fixed-size all-gather that every rank issues whatever its data, so a mismatch is an
     error instead of a hang in the collective that follows.
     """
     import torch.distributed as dist
 
-    fp = torch.tensor(_layout_fingerprint(layout), dtype=torch.int64, device=device)
+    words = [0 if local_error is None else 1] + _layout_fingerprint(layout)
+    fp = torch.tensor(words, dtype=torch.int64, device=device)
     world = dist.get_world_size(group)
     out = torch.empty(world * fp.numel(), dtype=torch.int64, device=device)
     dist.all_gather_into_tensor(out, fp, group=group)
     rows = out.view(world, fp.numel()).cpu()
+    if bool(rows[:, 0].any()):
+        if local_error is not None:
+            raise local_error
+        bad = rows[:, 0].nonzero().flatten().tolist()
+        raise RuntimeError(
+            f"verl_ops: CP rank(s) {bad} rejected their postprocess_thd arguments (their error says why)"
+        )
+    rows = rows[:, 1:]
     if not bool((rows == rows[0]).all()):
         raise RuntimeError(
             "verl_ops: CP ranks disagree on the THD layout (cp_size, batch, tokens, padded rows, "
@@ -300,24 +310,43 @@ def _postprocess_over_group(op, packed, layout, cu, cu_padded, cp_rank, group, a
     import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
-    if not torch.compiler.is_compiling():
-        world = dist.get_world_size(group)
-        if world != layout.cp_size:
-            raise ValueError(f"{op}: the group has {world} ranks but layout.cp_size is {layout.cp_size}")
-        me = dist.get_rank(group)
-        if me != cp_rank:
-            raise ValueError(f"{op}: cp_rank={cp_rank} but this process is rank {me} of the group")
-    if packed.dim() < 1 or packed.shape[0] != layout.local_rows:
-        raise ValueError(
-            f"{op}: with a group, packed is this rank's shard [local_rows={layout.local_rows}, *F], "
-            f"got {tuple(packed.shape)}"
-        )
+    # Argument errors of one rank are reported through the cross-rank check, so that every rank
+    # raises instead of the others waiting in the all-gather.
+    error = None
+    try:
+        if not torch.compiler.is_compiling():
+            world = dist.get_world_size(group)
+            if world != layout.cp_size:
+                raise ValueError(f"{op}: the group has {world} ranks but layout.cp_size is {layout.cp_size}")
+            me = dist.get_rank(group)
+            if me != cp_rank:
+                raise ValueError(f"{op}: cp_rank={cp_rank} but this process is rank {me} of the group")
+        if packed.dim() < 1 or packed.shape[0] != layout.local_rows:
+            raise ValueError(
+                f"{op}: with a group, packed is this rank's shard [local_rows={layout.local_rows}, *F], "
+                f"got {tuple(packed.shape)}"
+            )
+        if attention_mask is not None:
+            _check_mask_lengths(op, attention_mask, layout, validate)
+    except ValueError as e:
+        error = e
     if _should_validate(validate, packed):
-        check_layout_across_ranks(layout, group, packed.device)
-    if attention_mask is not None:
-        _check_mask_lengths(op, attention_mask, layout, validate)
+        check_layout_across_ranks(layout, group, packed.device, local_error=error)
+    elif error is not None:
+        raise error
     local = packed.contiguous()
-    gathered = funcol.all_gather_tensor(local.detach(), gather_dim=0, group=group)
+    if local.numel() == 0:
+        # Nothing to move (an empty batch or zero-width rows, the same on every rank of a
+        # consistent layout): no zero-size collective.
+        gathered = local.detach().new_empty((layout.cp_size * local.shape[0], *local.shape[1:]))
+    elif torch.compiler.is_compiling():
+        gathered = funcol.all_gather_tensor(local.detach(), gather_dim=0, group=group)
+    else:
+        # Eagerly the plain collective: the same all-gather without the functional wrapper's
+        # per-call overhead.
+        flat = local.detach().reshape(-1)
+        gathered = torch.empty(layout.cp_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(gathered, flat, group=group)
     gathered = gathered.view(layout.cp_size, *local.shape)
     return _UnpackLocalShard.apply(
         local,

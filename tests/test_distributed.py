@@ -1,0 +1,655 @@
+"""Context parallel across processes: postprocess_thd over a process group and dynamic CP
+split / merge, on gloo (CPU, 2 and 4 ranks) and on NCCL (when at least 2 / 4 GPUs are present).
+
+The check functions (``check_*``) run on every rank of a pooled process group (tests/_dist.py);
+the tests dispatch them and fail on any rank's error or on a timeout (a hang). Plan arithmetic is
+tested in-process at the end of the file.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+
+import verl_ops
+from verl_ops import DynamicCPGroups, ThdLayout, dynamic_cp_merge, dynamic_cp_split, plan_dynamic_cp
+
+# --------------------------------------------------------------------------------------------
+# Pools.
+
+WORLD_SIZES = [2, 4]
+BACKENDS = ["gloo", "nccl"]
+_pools: dict = {}
+
+
+def _skip_reason(backend, world):
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            return "NCCL checks need CUDA"
+        if torch.cuda.device_count() < world:
+            return f"NCCL checks at {world} ranks need {world} GPUs, found {torch.cuda.device_count()}"
+        if not torch.distributed.is_nccl_available():
+            return "torch was built without NCCL"
+    elif not torch.distributed.is_gloo_available():
+        return "torch was built without gloo"
+    return None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pools():
+    yield
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+PARAMS = [
+    pytest.param((b, w), id=f"{b}{w}", marks=[pytest.mark.gpu] if b == "nccl" else [])
+    for b in BACKENDS
+    for w in WORLD_SIZES
+]
+
+
+@pytest.fixture(params=PARAMS)
+def dist_run(request):
+    """run(check_name, *args) on every rank of a (backend, world_size) pool."""
+    from _dist import DistPool
+
+    backend, world = request.param
+    reason = _skip_reason(backend, world)
+    if reason:
+        pytest.skip(reason)
+    key = (backend, world)
+    if key not in _pools:
+        _pools[key] = DistPool(world, backend, pg_timeout_s=30.0)
+
+    def run(name, *args, timeout_s=120.0):
+        return _pools[key].run(f"test_distributed:{name}", backend, *args, timeout_s=timeout_s)
+
+    run.world = world
+    return run
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers used on the ranks.
+
+
+def _setup(rank, backend):
+    import torch.distributed as dist
+
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    return dist, device
+
+
+def _data(rng: random.Random, lengths, feature_shape, dtype):
+    from conftest import random_data
+
+    g = torch.Generator().manual_seed(rng.randrange(2**31))
+    seqs = [random_data((n, *feature_shape), dtype, g) for n in lengths]
+    values = torch.cat(seqs) if seqs else torch.zeros((0, *feature_shape), dtype=dtype)
+    return seqs, values
+
+
+def _expect_raises(exc, pattern, fn):
+    import re
+
+    try:
+        fn()
+    except exc as e:
+        assert re.search(pattern, str(e)), f"wrong message: {e}"
+        return str(e)
+    raise AssertionError(f"expected {exc.__name__} matching {pattern!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# postprocess_thd over a process group.
+
+LAYOUT_CASES = [
+    # (cp_layout, roll, fp8, tp)
+    ("zigzag", False, False, 1),
+    ("zigzag", True, False, 2),
+    ("zigzag", False, True, 1),
+    ("contiguous", False, False, 1),
+    ("contiguous", True, True, 2),
+]
+
+
+def _roundtrip_one(rank, cp, group, device, rng, lengths, case, feature_shape, dtype, min_local_rows=None):
+    from reference import ref_pack
+
+    cp_layout, roll, fp8, tp = case
+    layout = ThdLayout.from_lengths(
+        lengths, tp_size=tp, cp_size=cp, cp_layout=cp_layout, fp8_padding=fp8, min_local_rows=min_local_rows,
+        device=device,
+    )
+    seqs, values = _data(rng, lengths, feature_shape, dtype)
+    cu_padded = layout.cu_seqlens_padded_cpu.tolist()
+    packed, _ = verl_ops.preprocess_thd(values.to(device), layout, rank, roll=roll)
+    expected_shard, _ = ref_pack(seqs, cu_padded, cp, rank, cp_layout, roll, feature_shape=feature_shape, dtype=dtype)
+    assert torch.equal(packed.cpu(), expected_shard), (case, lengths)
+    out = verl_ops.postprocess_thd(packed, layout, rank, group=group, as_nested=False)
+    rolled = [torch.roll(x, -1, 0) if roll and x.shape[0] else x for x in seqs]
+    expected = torch.cat(rolled) if rolled else values
+    assert torch.equal(out.cpu(), expected), (case, lengths)
+    # The single-process path on every rank's reference shard gives the same.
+    shards = torch.stack(
+        [ref_pack(seqs, cu_padded, cp, r, cp_layout, roll, feature_shape=feature_shape, dtype=dtype)[0] for r in range(cp)]
+    )
+    single = verl_ops.postprocess_thd(shards.to(device), layout, as_nested=False)
+    assert torch.equal(single.cpu(), out.cpu())
+    return layout
+
+
+def check_postprocess_roundtrip(rank, world, backend, seed):
+    from conftest import random_lengths
+
+    dist, device = _setup(rank, backend)
+    rng = random.Random(seed)  # the same on every rank: every rank holds the same batch
+    group = dist.group.WORLD
+    for case in LAYOUT_CASES:
+        for feature_shape, dtype in (((), torch.int64), ((3,), torch.bfloat16), ((2, 2), torch.float32)):
+            lengths = random_lengths(rng, rng.randint(1, 6), 2 * world * case[3])
+            _roundtrip_one(rank, world, group, device, rng, lengths, case, feature_shape, dtype)
+    # CP over sub-groups: pairs of consecutive ranks at 4 ranks.
+    if world >= 4:
+        groups = DynamicCPGroups.for_group()
+        sub = groups.cp_group(2)
+        assert dist.get_process_group_ranks(sub) == [rank - rank % 2, rank - rank % 2 + 1]
+        lengths = [9, 0, 31] if rank < 2 else [4, 17]  # each pair has its own batch
+        for case in LAYOUT_CASES[:4]:
+            _roundtrip_one(rank % 2, 2, sub, device, random.Random(seed + rank // 2), lengths, case, (5,), torch.float16)
+    return True
+
+
+def check_all_padding_rank(rank, world, backend):
+    dist, device = _setup(rank, backend)
+    rng = random.Random(7)
+    group = dist.group.WORLD
+    # Rank 0 holds the only tokens; the other ranks' shards are all padding.
+    layout = _roundtrip_one(rank, world, group, device, rng, [3], ("contiguous", False, False, 1), (4,), torch.float32,
+                            min_local_rows=8)
+    if rank > 0:
+        assert layout.local_rows == 8
+    # Every sequence empty, every shard padding; and an empty batch.
+    _roundtrip_one(rank, world, group, device, rng, [0, 0], ("zigzag", False, False, 1), (2,), torch.float32,
+                   min_local_rows=2)
+    _roundtrip_one(rank, world, group, device, rng, [], ("zigzag", False, False, 1), (2,), torch.float32)
+    return True
+
+
+def check_postprocess_grad(rank, world, backend):
+    from reference import ref_pack
+
+    dist, device = _setup(rank, backend)
+    rng = random.Random(11)
+    for cp_layout in ("zigzag", "contiguous"):
+        lengths = [5, 12, 1, 8]
+        layout = ThdLayout.from_lengths(lengths, cp_size=world, cp_layout=cp_layout, device=device)
+        seqs, values = _data(rng, lengths, (3,), torch.float64)
+        packed, _ = verl_ops.preprocess_thd(values.to(device), layout, rank)
+        packed = packed.detach().requires_grad_()
+        out = verl_ops.postprocess_thd(packed, layout, rank, group=dist.group.WORLD, as_nested=False)
+        w_seqs, w = _data(rng, lengths, (3,), torch.float64)
+        loss = (out * w.to(device)).sum()
+        loss.backward(retain_graph=True)
+        # The gradient of this rank's shard is the pack of the output gradient for this rank;
+        # rows holding other ranks' tokens get nothing.
+        expected, _ = ref_pack(w_seqs, layout.cu_seqlens_padded_cpu.tolist(), world, rank, cp_layout, False)
+        assert torch.equal(packed.grad.cpu(), expected)
+        # No collective in backward: rank 0 runs a second backward alone (a collective would hang).
+        if rank == 0:
+            packed.grad = None
+            loss.backward()
+            assert torch.equal(packed.grad.cpu(), expected)
+    return True
+
+
+def check_postprocess_compile(rank, world, backend):
+    """The group path traces under torch.compile(fullgraph=True) (functional collectives)."""
+    dist, device = _setup(rank, backend)
+    torch._dynamo.reset()
+    group = dist.group.WORLD
+
+    def f(packed, layout):
+        return verl_ops.postprocess_thd(packed, layout, rank, group=group, as_nested=False) * 2
+
+    cf = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    for lengths in ([7, 12, 3], [5, 1, 9, 30]):
+        layout = ThdLayout.from_lengths(lengths, cp_size=world, device=device)
+        _, values = _data(random.Random(len(lengths)), lengths, (2,), torch.float32)
+        packed, _ = verl_ops.preprocess_thd(values.to(device), layout, rank)
+        assert torch.equal(cf(packed, layout).cpu(), values * 2)
+    return True
+
+
+def check_layout_mismatch(rank, world, backend):
+    dist, device = _setup(rank, backend)
+    lengths = [5, 7] if rank == 0 else [5, 8]
+    layout = ThdLayout.from_lengths(lengths, cp_size=world, cp_layout="contiguous", device=device)
+    packed = torch.ones(layout.local_rows, 2, device=device)
+    _expect_raises(
+        RuntimeError, "CP ranks disagree on the THD layout",
+        lambda: verl_ops.postprocess_thd(packed, layout, rank, group=dist.group.WORLD),
+    )
+    # One rank with a wrong argument: its own ValueError there, a RuntimeError on the others.
+    layout = ThdLayout.from_lengths([6, 2], cp_size=world, device=device)
+    packed = torch.ones(layout.local_rows, 2, device=device)
+    if rank == 1:
+        _expect_raises(ValueError, "cp_rank=0 but this process is rank 1", lambda: verl_ops.postprocess_thd(
+            packed, layout, 0, group=dist.group.WORLD))
+    else:
+        _expect_raises(RuntimeError, "CP rank\\(s\\) \\[1\\] rejected", lambda: verl_ops.postprocess_thd(
+            packed, layout, rank, group=dist.group.WORLD))
+    # The group is still in step afterwards.
+    _roundtrip_one(rank, world, dist.group.WORLD, device, random.Random(3), [6, 2], ("zigzag", False, False, 1), (2,),
+                   torch.float32)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Dynamic CP.
+
+
+def _sample_values(lengths, feature=2, dtype=torch.float32):
+    """Sequence i's rows are i * 1000 + row, repeated over the feature: every row names its sample."""
+    seqs = [
+        (i * 1000 + torch.arange(n, dtype=torch.float64)).unsqueeze(1).expand(n, feature).to(dtype) for i, n in enumerate(lengths)
+    ]
+    return seqs
+
+
+def _fake_model(seq: torch.Tensor, sample_id: int) -> torch.Tensor:
+    """An output of another length than the input (like log-probs of the response tokens)."""
+    return torch.cat([seq[:, 0].to(torch.float32) * 2 + 1, torch.tensor([float(sample_id)], device=seq.device)])
+
+
+def _nested(seqs, device):
+    values = torch.cat(seqs) if seqs else torch.zeros(0, 2)
+    offsets = torch.tensor([0] + [int(x) for x in torch.tensor([s.shape[0] for s in seqs]).cumsum(0).tolist()])
+    return torch.nested.nested_tensor_from_jagged(values.to(device), offsets.to(device))
+
+
+def _expected_local_cp(lengths, dp_size, max_per):
+    if len(lengths) < dp_size:
+        return dp_size
+    need = max(1, math.ceil(max(lengths) / max_per))
+    return 1 << (need - 1).bit_length()
+
+
+DYNAMIC_CASES = [
+    # (lengths, max_seqlen_per_dp_cp_rank, assignment)
+    ("few", 16, "contiguous"),  # fewer sequences than ranks: whole batch
+    ("short", 64, "contiguous"),  # local_cp_size 1, B not a multiple of the groups
+    ("short", 64, "balanced"),
+    ("long2", 40, "contiguous"),  # local_cp_size 2
+    ("long2", 40, "balanced"),
+    ("zeros", 8, "contiguous"),  # zero-length sequences
+]
+
+
+def _case_lengths(name, world, rng):
+    if name == "few":
+        return [rng.randint(1, 30) for _ in range(world - 1)]
+    if name == "short":
+        return [rng.randint(1, 60) for _ in range(3 * world + 1)]
+    if name == "long2":
+        return [rng.randint(1, 40) for _ in range(2 * world + 1)] + [75]
+    return [0, 3, 0, 0, 5, 0, 1, 0, 0][: max(world + 1, 5)]
+
+
+def check_dynamic_split_merge(rank, world, backend, seed):
+    dist, device = _setup(rank, backend)
+    groups = DynamicCPGroups.for_group()
+    for case_index, (name, max_per, assignment) in enumerate(DYNAMIC_CASES):
+        rng = random.Random(seed + case_index)
+        lengths = _case_lengths(name, world, rng)
+        seqs = _sample_values(lengths)
+        split = dynamic_cp_split(_nested(seqs, device), max_per, groups=groups, assignment=assignment)
+        plan = split.plan
+        lcs = _expected_local_cp(lengths, world, max_per)
+        assert split.local_cp_size == lcs == plan.local_cp_size, (name, lengths)
+        assert plan.local_dp_rank == rank // lcs
+        if lcs > 1:
+            members = list(range(rank - rank % lcs, rank - rank % lcs + lcs))
+            assert dist.get_process_group_ranks(split.cp_group) == members
+        else:
+            assert split.cp_group is None
+        # This rank's batch is exactly its group's sequences, in order.
+        local = split.batch
+        ids = list(plan.sample_ids)
+        assert local.offsets().diff().tolist() == [lengths[i] for i in ids]
+        for k, i in enumerate(ids):
+            assert torch.equal(local[k].cpu(), seqs[i])
+        # Completeness: the groups cover every sample exactly once; members of a group agree.
+        everyone = [None] * world
+        dist.all_gather_object(everyone, ids)
+        per_group = [everyone[g * lcs] for g in range(world // lcs)]
+        for r in range(world):
+            assert everyone[r] == per_group[r // lcs]
+        assert sorted(i for g in per_group for i in g) == list(range(len(lengths)))
+        assert all(per_group) or len(lengths) == 0  # no empty group
+        # Merge: outputs of another length, in several forms, back in sample order.
+        outs = [_fake_model(local[k], i) for k, i in enumerate(ids)]
+        expected = [_fake_model(s.to(device), i).cpu() for i, s in enumerate(seqs)]
+        merged = dynamic_cp_merge(_nested(outs, device) if outs else _nested([], device), split)
+        assert merged.offsets().diff().tolist() == [e.shape[0] for e in expected]
+        assert torch.equal(merged.values().cpu(), torch.cat(expected))
+        # values + lengths form, and a dict of outputs with other dtypes / feature shapes.
+        vals = torch.cat(outs) if outs else torch.zeros(0, device=device)
+        mv, ml = dynamic_cp_merge(vals, split, lengths=[o.shape[0] for o in outs])
+        assert torch.equal(mv.cpu(), torch.cat(expected)) and ml.tolist() == [e.shape[0] for e in expected]
+        ids_out = [torch.full((lengths[i], 3), i, dtype=torch.int64, device=device) for i in ids]
+        flags = [torch.tensor([i % 2 == 0], device=device) for i in ids]
+        md = dynamic_cp_merge({"ids": _nested(ids_out, device), "flag": _nested(flags, device)}, split)
+        assert md["ids"].offsets().diff().tolist() == lengths
+        assert torch.equal(md["ids"].values().cpu(), torch.cat([torch.full((n, 3), i) for i, n in enumerate(lengths)]))
+        assert md["flag"].values().cpu().tolist() == [i % 2 == 0 for i in range(len(lengths))]
+    return True
+
+
+def check_dynamic_end_to_end(rank, world, backend):
+    """split -> pack for the group's CP -> postprocess over the CP group -> merge == the batch."""
+    dist, device = _setup(rank, backend)
+    rng = random.Random(5)
+    lengths = [rng.randint(1, 30) for _ in range(2 * world)] + [50]
+    seqs = _sample_values(lengths, feature=3)
+    for assignment in ("contiguous", "balanced"):
+        split = dynamic_cp_split(_nested(seqs, device), 32, assignment=assignment)
+        assert split.local_cp_size == 2
+        layout = ThdLayout.from_nested(split.batch, cp_size=split.local_cp_size)
+        packed, _ = verl_ops.preprocess_thd(split.batch, layout, split.plan.cp_rank)
+        outputs = verl_ops.postprocess_thd(packed, layout, split.plan.cp_rank, group=split.cp_group)
+        merged = dynamic_cp_merge(outputs, split)
+        assert torch.equal(merged.values().cpu(), torch.cat(seqs))
+        assert merged.offsets().diff().tolist() == lengths
+    return True
+
+
+def check_dynamic_all_empty_outputs(rank, world, backend):
+    dist, device = _setup(rank, backend)
+    lengths = [2] * (2 * world)
+    split = dynamic_cp_split(_nested(_sample_values(lengths), device), 4)
+    n = len(split.plan.sample_ids)
+    # Every output empty, and only the first group's outputs non-empty.
+    mv, ml = dynamic_cp_merge(torch.zeros(0, 4, device=device), split, lengths=[0] * n)
+    assert mv.shape == (0, 4) and ml.tolist() == [0] * len(lengths)
+    first = split.plan.local_dp_rank == 0
+    mine = [3 if first else 0] * n
+    vals = torch.arange(sum(mine) * 4, dtype=torch.float32, device=device).view(-1, 4)
+    mv, ml = dynamic_cp_merge(vals, split, lengths=mine)
+    assert ml.tolist() == [3] * len(split.plan.groups[0]) + [0] * (len(lengths) - len(split.plan.groups[0]))
+    assert torch.equal(mv.cpu(), torch.arange(3 * len(split.plan.groups[0]) * 4, dtype=torch.float32).view(-1, 4))
+    return True
+
+
+def check_dynamic_errors(rank, world, backend):
+    dist, device = _setup(rank, backend)
+    lengths = [10] * (2 * world)
+    seqs = _sample_values(lengths)
+    # The longest sequence needs more ranks than there are: the same ValueError on every rank.
+    _expect_raises(ValueError, "needs local_cp_size=.* but dp_size is", lambda: dynamic_cp_split(
+        _nested(_sample_values([10 * world + 1] * world), device), 10))
+    # Ranks holding different batches: RuntimeError on every rank, not a hang.
+    mine = lengths if rank else lengths[:-1] + [11]
+    _expect_raises(RuntimeError, "hold different micro-batches", lambda: dynamic_cp_split(
+        _nested(_sample_values(mine), device), 64))
+    # One rank passes a bad argument: it gets its own error, the others a RuntimeError naming it.
+    bad = "lpt" if rank == world - 1 else "contiguous"
+    if rank == world - 1:
+        _expect_raises(ValueError, "assignment must be one of", lambda: dynamic_cp_split(
+            _nested(seqs, device), 64, assignment=bad))
+    else:
+        _expect_raises(RuntimeError, f"rank\\(s\\) \\[{world - 1}\\] of the group rejected", lambda: dynamic_cp_split(
+            _nested(seqs, device), 64, assignment=bad))
+    split = dynamic_cp_split(_nested(seqs, device), 64)
+    assert split.plan.num_groups == world
+    # Merge: one rank with a wrong number of sequences; then a dtype that differs across groups.
+    n = len(split.plan.sample_ids)
+    outs = [torch.ones(2, device=device)] * (n + (1 if rank == 0 else 0))
+    if rank == 0:
+        _expect_raises(ValueError, "group holds .* sequences but the outputs have", lambda: dynamic_cp_merge(
+            _nested(outs, device), split))
+    else:
+        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs", lambda: dynamic_cp_merge(
+            _nested(outs, device), split))
+    dtype = torch.float16 if rank == 1 else torch.float32
+    outs = [torch.ones(2, dtype=dtype, device=device)] * n
+    _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), split))
+    # Still in step: a correct merge.
+    outs = [torch.full((2,), float(i), device=device) for i in split.plan.sample_ids]
+    merged = dynamic_cp_merge(_nested(outs, device), split)
+    assert merged.values().cpu().tolist() == [float(i) for i in range(len(lengths)) for _ in range(2)]
+    return True
+
+
+def _split_merge_roundtrip(device, groups, lengths, max_per, expect_cp):
+    seqs = _sample_values(lengths)
+    split = dynamic_cp_split(_nested(seqs, device), max_per, groups=groups)
+    assert split.local_cp_size == expect_cp
+    outs = [_fake_model(split.batch[k], i) for k, i in enumerate(split.plan.sample_ids)]
+    merged = dynamic_cp_merge(_nested(outs, device), split)
+    expected = torch.cat([_fake_model(s.to(device), i).cpu() for i, s in enumerate(seqs)])
+    assert torch.equal(merged.values().cpu(), expected)
+    return split
+
+
+def check_dynamic_subgroup_parent(rank, world, backend):
+    """DynamicCPGroups of sub-groups of the world (the DPxCP groups of a job with TP / PP)."""
+    dist, device = _setup(rank, backend)
+    half = world // 2
+    parents = [list(range(0, half)), list(range(half, world))]
+    pgs = [dist.new_group(p) for p in parents]
+    parent = pgs[rank // half]
+    groups = DynamicCPGroups(parent, all_group_ranks=parents)
+    assert groups.dp_size == half and groups.dp_rank == rank % half
+    lengths = [3, 9, 4, 1, 7][: half + 1] if rank < half else [2, 2, 8, 5, 6, 1][: 2 * half]
+    _split_merge_roundtrip(device, groups, lengths, 16, 1)
+    if half > 1:
+        assert groups.cp_group(half) is parent
+    # A parent spanning every rank that is not the world group object: sub-groups of size 2 are
+    # created, from the list of all DPxCP groups, or group-locally when the backend allows it.
+    everyone = dist.new_group(list(range(world)))
+    modes = [{"all_group_ranks": [list(range(world))]}]
+    bound = getattr(dist.distributed_c10d._get_default_group(), "bound_device_id", None) is not None
+    if bound:
+        _expect_raises(RuntimeError, "pass all_group_ranks=", lambda: DynamicCPGroups(everyone))
+    else:
+        modes.append({})
+    for kwargs in modes:
+        groups = DynamicCPGroups(everyone, **kwargs)
+        if world > 2:
+            assert dist.get_process_group_ranks(groups.merge_group(2)) == list(range(rank % 2, world, 2))
+            assert dist.get_process_group_ranks(groups.cp_group(2)) == [rank - rank % 2, rank - rank % 2 + 1]
+        _split_merge_roundtrip(device, groups, [5] * world + [12], 8, 2)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# The tests.
+
+
+def test_postprocess_roundtrip(dist_run):
+    assert dist_run("check_postprocess_roundtrip", 1234) == [True] * dist_run.world
+
+
+def test_postprocess_all_padding_rank(dist_run):
+    assert all(dist_run("check_all_padding_rank"))
+
+
+def test_postprocess_gradient_local_shard_only(dist_run):
+    assert all(dist_run("check_postprocess_grad"))
+
+
+def test_postprocess_compile(dist_run):
+    assert all(dist_run("check_postprocess_compile"))
+
+
+def test_postprocess_layout_mismatch_raises(dist_run):
+    assert all(dist_run("check_layout_mismatch"))
+
+
+def test_dynamic_split_merge(dist_run):
+    assert all(dist_run("check_dynamic_split_merge", 99))
+
+
+def test_dynamic_end_to_end(dist_run):
+    assert all(dist_run("check_dynamic_end_to_end"))
+
+
+def test_dynamic_empty_outputs(dist_run):
+    assert all(dist_run("check_dynamic_all_empty_outputs"))
+
+
+def test_dynamic_errors_raise_on_every_rank(dist_run):
+    assert all(dist_run("check_dynamic_errors"))
+
+
+def test_dynamic_groups_of_a_subgroup(dist_run):
+    assert all(dist_run("check_dynamic_subgroup_parent"))
+
+
+def test_a_hang_fails_instead_of_blocking():
+    """The harness turns a rank that never reaches a collective into a failure."""
+    from _dist import DistPool, DistTimeout
+
+    pool = DistPool(2, "gloo", pg_timeout_s=60.0)
+    try:
+        with pytest.raises(DistTimeout, match="a hang"):
+            pool.run("test_distributed:check_hang", timeout_s=5.0)
+    finally:
+        pool.close(force=True)
+
+
+def check_hang(rank, world):
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.barrier()  # rank 1 never joins
+    else:
+        import time
+
+        time.sleep(30)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Plan arithmetic, in-process.
+
+
+def ref_contiguous(lengths, dp_size, max_per):
+    """OPS.md section 5 with contiguous blocks whose sizes differ by at most one."""
+    lcs = _expected_local_cp(lengths, dp_size, max_per)
+    G = dp_size // lcs
+    base, rem = divmod(len(lengths), G)
+    out, start = [], 0
+    for g in range(G):
+        n = base + (g < rem)
+        out.append(tuple(range(start, start + n)))
+        start += n
+    return lcs, out
+
+
+def test_plan_contiguous_matches_rules():
+    rng = random.Random(0)
+    for _ in range(300):
+        dp = rng.choice([1, 2, 4, 8, 16])
+        max_per = rng.choice([8, 32, 100])
+        B = rng.randint(0, 40)
+        lengths = [rng.randint(0, max_per * dp) for _ in range(B)]
+        lcs, groups = ref_contiguous(lengths, dp, max_per)
+        if lcs > dp:
+            with pytest.raises(ValueError, match="dynamic_cp_split: the longest sequence"):
+                plan_dynamic_cp(lengths, dp, max_per)
+            continue
+        for dp_rank in range(dp):
+            plan = plan_dynamic_cp(lengths, dp, max_per, dp_rank=dp_rank)
+            assert plan.local_cp_size == lcs and list(plan.groups) == groups
+            assert plan.local_dp_rank == dp_rank // lcs and plan.cp_rank == dp_rank % lcs
+            assert plan.sample_ids == groups[dp_rank // lcs]
+        if B >= dp:
+            assert all(plan.groups)  # no empty group
+        # Where B divides evenly this is verl's ceil-sized chunking.
+        G = dp // lcs
+        if B % G == 0:
+            chunk = math.ceil(B / G)
+            assert list(plan.groups) == [tuple(range(g * chunk, min((g + 1) * chunk, B))) for g in range(G)]
+
+
+def test_plan_balanced_is_a_partition_in_order_and_no_worse():
+    rng = random.Random(1)
+    for _ in range(200):
+        dp = rng.choice([2, 4, 8])
+        B = rng.randint(dp, 60)
+        lengths = [max(0, int(rng.lognormvariate(5, 1))) for _ in range(B)]
+        max_per = max(lengths + [1])
+        c = plan_dynamic_cp(lengths, dp, max_per)
+        b = plan_dynamic_cp(lengths, dp, max_per, assignment="balanced")
+        assert b.local_cp_size == c.local_cp_size
+        assert sorted(i for g in b.groups for i in g) == list(range(B))
+        assert all(list(g) == sorted(g) for g in b.groups) and all(b.groups)
+        # LPT is within 4/3 of the optimum, which is at least max(mean, longest sequence).
+        opt_lb = max(sum(lengths) / b.num_groups, max(lengths))
+        assert max(b.group_tokens()) <= 4 / 3 * opt_lb + 1e-9
+        assert max(b.group_tokens()) <= max(c.group_tokens())
+
+
+def test_plan_edge_cases():
+    # All sequences empty: local_cp_size 1 (verl's bit trick would give 2 for ceil(0 / m) = 0).
+    assert plan_dynamic_cp([0] * 4, 4, 8).local_cp_size == 1
+    # Non-power-of-two dp_size: sizes that do not divide it round up to dp_size.
+    assert plan_dynamic_cp([20] * 6, 6, 8).local_cp_size == 6
+    assert plan_dynamic_cp([9] * 6, 6, 8).local_cp_size == 2
+    # Balanced with ties keeps groups non-empty.
+    assert all(plan_dynamic_cp([0] * 8, 4, 8, assignment="balanced").groups)
+    for kwargs, pattern in (
+        ({"dp_size": 0}, "dp_size must be an int >= 1"),
+        ({"max_seqlen_per_dp_cp_rank": 0}, "max_seqlen_per_dp_cp_rank must be an int >= 1"),
+        ({"dp_rank": 4}, "dp_rank must be an int in \\[0, dp_size=4\\)"),
+        ({"assignment": "lpt"}, "assignment must be one of"),
+        ({"lengths": [3, -1, 2, 2]}, "lengths must be >= 0"),
+    ):
+        args = {"lengths": [4] * 4, "dp_size": 4, "max_seqlen_per_dp_cp_rank": 8, **kwargs}
+        with pytest.raises(ValueError, match=f"dynamic_cp_split: {pattern}"):
+            plan_dynamic_cp(args.pop("lengths"), args.pop("dp_size"), args.pop("max_seqlen_per_dp_cp_rank"), **args)
+
+
+def test_split_merge_without_distributed():
+    """dp_size 1: the whole batch, local_cp_size 1, no collective; dicts and dense entries."""
+    lengths = [3, 0, 5]
+    seqs = _sample_values(lengths)
+    nt = _nested(seqs, "cpu")
+    adv = torch.tensor([0.5, -1.0, 2.0])
+    split = dynamic_cp_split({"input_ids": nt, "advantages": adv}, 8)
+    assert split.local_cp_size == 1 and split.cp_group is None and split.plan.dp_size == 1
+    assert torch.equal(split.batch["input_ids"].values(), nt.values()) and torch.equal(split.batch["advantages"], adv)
+    merged = dynamic_cp_merge(split.batch["input_ids"], split)
+    assert torch.equal(merged.values(), nt.values())
+    vals, lens = dynamic_cp_split(torch.cat(seqs), 8, lengths=lengths).batch
+    assert torch.equal(vals, torch.cat(seqs)) and lens.tolist() == lengths
+    # The selection is differentiable.
+    x = torch.cat(seqs).requires_grad_()
+    v, _ = dynamic_cp_split(x, 8, lengths=lengths).batch
+    v.sum().backward()
+    assert torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_split_bad_batches():
+    nt = _nested(_sample_values([2, 3]), "cpu")
+    with pytest.raises(ValueError, match="dynamic_cp_split: a values tensor \\[total, \\*F\\] needs lengths="):
+        dynamic_cp_split(torch.zeros(5, 2), 8)
+    with pytest.raises(ValueError, match="dynamic_cp_split: values must be \\[sum\\(lengths\\)=4"):
+        dynamic_cp_split(torch.zeros(5, 2), 8, lengths=[2, 2])
+    with pytest.raises(ValueError, match="dynamic_cp_split: batch\\['adv'\\] must be nested or have one row per sequence"):
+        dynamic_cp_split({"x": nt, "adv": torch.zeros(3)}, 8)
+    with pytest.raises(ValueError, match="dynamic_cp_split: batch\\['y'\\] has other sequence lengths"):
+        dynamic_cp_split({"x": nt, "y": _nested(_sample_values([3, 2]), "cpu")}, 8)
+    with pytest.raises(TypeError, match="dynamic_cp_split: batch must be a tensor"):
+        dynamic_cp_split([1, 2], 8)
+    split = dynamic_cp_split(nt, 8)
+    with pytest.raises(ValueError, match="dynamic_cp_merge: this rank's group holds 2 sequences but the outputs have 1"):
+        dynamic_cp_merge(_nested(_sample_values([2]), "cpu"), split)
+    with pytest.raises(ValueError, match="dynamic_cp_merge: a values tensor \\[rows, \\*F\\] needs lengths="):
+        dynamic_cp_merge(torch.zeros(3), split)

@@ -1,0 +1,187 @@
+"""Python API of the jagged row ops: jagged_gather (select / reorder whole sequences of a jagged
+batch) and jagged_scatter (its adjoint), with autograd. Used by dynamic context parallel to take
+a group's subset of a batch and to put gathered outputs back into sample order."""
+
+from __future__ import annotations
+
+import torch
+
+_ops = torch.ops.verl_ops
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd: the two ops are each other's adjoint, so each backward is one call of the other.
+
+
+def _gather_setup_context(ctx, inputs, output):
+    values, src_starts, cu_out, total_out = inputs
+    ctx.save_for_backward(src_starts, cu_out)
+    ctx.total_in = values.shape[0]
+
+
+def _gather_backward(ctx, grad):
+    src_starts, cu_out = ctx.saved_tensors
+    return _ops.jagged_scatter(grad.contiguous(), src_starts, cu_out, ctx.total_in), None, None, None
+
+
+def _scatter_setup_context(ctx, inputs, output):
+    grad, src_starts, cu_out, total_in = inputs
+    ctx.save_for_backward(src_starts, cu_out)
+    ctx.total_out = grad.shape[0]
+
+
+def _scatter_backward(ctx, grad_out):
+    src_starts, cu_out = ctx.saved_tensors
+    return _ops.jagged_gather(grad_out.contiguous(), src_starts, cu_out, ctx.total_out), None, None, None
+
+
+torch.library.register_autograd(
+    "verl_ops::jagged_gather", _gather_backward, setup_context=_gather_setup_context
+)
+torch.library.register_autograd(
+    "verl_ops::jagged_scatter", _scatter_backward, setup_context=_scatter_setup_context
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Wrappers. The C++ ops check index values themselves for CPU tensors; for device tensors that
+# would be a host synchronisation, so the wrappers check them here, eagerly, unless validate=False
+# (and never while tracing or capturing a CUDA graph).
+
+
+def _tracing(t: torch.Tensor) -> bool:
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def _check_index_tensors(op: str, src_starts, cu_seqlens_out) -> None:
+    for name, t, dtype in (
+        ("src_starts", src_starts, torch.int64),
+        ("cu_seqlens_out", cu_seqlens_out, torch.int32),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a tensor, got {type(t)}")
+        if t.dtype != dtype or t.dim() != 1:
+            raise ValueError(
+                f"{op}: {name} must be a 1-D {dtype} tensor, got {t.dtype} of shape {tuple(t.shape)}"
+            )
+    if cu_seqlens_out.shape[0] != src_starts.shape[0] + 1:
+        raise ValueError(
+            f"{op}: cu_seqlens_out must have len(src_starts) + 1 = {src_starts.shape[0] + 1} entries, "
+            f"got {cu_seqlens_out.shape[0]}"
+        )
+
+
+def _check_values_on_host(
+    op: str, src_starts, cu_out, gathered_rows: int, pool_rows: int, scatter: bool
+) -> None:
+    """The C++ CPU checks, for index tensors that live on a device."""
+    both = torch.cat([cu_out.to(torch.int64), src_starts]).cpu()  # one device-to-host copy
+    n = src_starts.shape[0]
+    cu, st = both[: n + 1], both[n + 1 :]
+    lens = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0:
+        raise RuntimeError(f"{op}: cu_seqlens_out must start at 0, got {int(cu[0])}")
+    if n and bool((lens < 0).any()):
+        j = int((lens < 0).nonzero()[0])
+        raise RuntimeError(
+            f"{op}: cu_seqlens_out must be non-decreasing, got {int(cu[j])} then {int(cu[j + 1])} "
+            f"at index {j}"
+        )
+    bad = (st < 0) | (st + lens > pool_rows)
+    if n and bool(bad.any()):
+        j = int(bad.nonzero()[0])
+        raise RuntimeError(
+            f"{op}: src_starts[{j}]={int(st[j])} with length {int(lens[j])} is outside the "
+            f"{pool_rows} source rows"
+        )
+    if int(cu[-1]) != gathered_rows:
+        raise RuntimeError(
+            f"{op}: cu_seqlens_out[-1]={int(cu[-1])} but the gathered side has {gathered_rows} rows"
+        )
+    if scatter and n > 1:
+        keep = lens > 0
+        s, e = st[keep], (st + lens)[keep]
+        order = torch.argsort(s)
+        s, e = s[order], e[order]
+        if bool((s[1:] < e[:-1]).any()):
+            raise RuntimeError(
+                f"{op}: src_starts select overlapping rows; the scatter needs each row at most once"
+            )
+
+
+def jagged_gather(
+    values: torch.Tensor,
+    src_starts: torch.Tensor,
+    cu_seqlens_out: torch.Tensor,
+    total_out: int | None = None,
+    *,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Gather whole sequences: output sequence j is rows ``[src_starts[j], src_starts[j] + len_j)``
+    of ``values``, ``len_j = cu_seqlens_out[j+1] - cu_seqlens_out[j]``.
+
+    Args:
+        values: ``[rows, *F]``, any dtype.
+        src_starts: int64 ``[n]``, first source row of each output sequence (spans may repeat).
+        cu_seqlens_out: int32 ``[n + 1]``, prefix sums of the output lengths (starting at 0).
+        total_out: ``cu_seqlens_out[-1]``; pass it to avoid reading it from a device tensor.
+        validate: check index values on device tensors (a host read). Default: on, except under
+            torch.compile / CUDA-graph capture. CPU tensors are always checked.
+
+    Returns:
+        ``[total_out, *F]``. Differentiable in ``values`` (backward: :func:`jagged_scatter`, which
+        needs the selected spans to be disjoint).
+    """
+    op = "jagged_gather"
+    _check_index_tensors(op, src_starts, cu_seqlens_out)
+    if total_out is None:
+        total_out = int(cu_seqlens_out[-1])
+    if values.dim() >= 1 and not values.device.type == "cpu" and not _tracing(values):
+        if validate is None or validate:
+            _check_values_on_host(op, src_starts, cu_seqlens_out, total_out, values.shape[0], False)
+    return _ops.jagged_gather(values, src_starts, cu_seqlens_out, total_out)
+
+
+def jagged_scatter(
+    grad: torch.Tensor,
+    src_starts: torch.Tensor,
+    cu_seqlens_out: torch.Tensor,
+    total_in: int,
+    *,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Adjoint of :func:`jagged_gather`: ``grad`` is shaped like the gather's output
+    ``[cu_seqlens_out[-1], *F]``; returns ``[total_in, *F]`` with each sequence's rows put back at
+    ``src_starts[j]`` and zeros elsewhere. The spans must be disjoint (checked).
+
+    Differentiable in ``grad`` (backward: :func:`jagged_gather`).
+    """
+    op = "jagged_scatter"
+    _check_index_tensors(op, src_starts, cu_seqlens_out)
+    if grad.dim() >= 1 and not grad.device.type == "cpu" and not _tracing(grad):
+        if validate is None or validate:
+            _check_values_on_host(op, src_starts, cu_seqlens_out, grad.shape[0], total_in, True)
+    return _ops.jagged_scatter(grad, src_starts, cu_seqlens_out, total_in)
+
+
+def jagged_indices(lengths, selection, device=None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(src_starts int64 [n], cu_seqlens_out int32 [n + 1], total_out)`` that gather sequences
+    ``selection`` (indices into a batch with per-sequence ``lengths``), in that order. Host-side
+    arithmetic on Python ints; the two tensors are built on ``device`` with one copy."""
+    starts, acc = [], 0
+    for n in lengths:
+        starts.append(acc)
+        acc += int(n)
+    src, cu = [], [0]
+    for i in selection:
+        src.append(starts[i])
+        cu.append(cu[-1] + int(lengths[i]))
+    if cu[-1] > torch.iinfo(torch.int32).max:
+        raise ValueError(f"jagged_indices: {cu[-1]} selected rows do not fit int32 offsets")
+    both = torch.tensor(src + cu, dtype=torch.int64)
+    if device is not None:
+        both = both.to(device)
+    n = len(src)
+    return both[:n], both[n:].to(torch.int32), cu[-1]
