@@ -2,6 +2,7 @@
 #include <torch/library.h>
 
 #include "ops/jagged_ops.h"
+#include "ops/router_ops.h"
 #include "ops/thd_ops.h"
 
 TORCH_LIBRARY(verl_ops, m) {
@@ -31,6 +32,22 @@ TORCH_LIBRARY(verl_ops, m) {
   m.def("jagged_gather(Tensor values, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_out) -> Tensor");
   // Adjoint of jagged_gather: rows go back where they were gathered from; zeros elsewhere.
   m.def("jagged_scatter(Tensor grad, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_in) -> Tensor");
+
+  // --- router replay (OPS.md section 4) ---
+  // Record: L layers of top-k indices (a list of [T, K], or one [L, T, K]; any integer dtype,
+  // any strides) -> [T, L, K] int16. With the layout's offsets (tp = cp = 1) the unpack is fused:
+  // [total_tokens, L, K], or [B, S, L, K] with attention_mask. `overflow` (int32 [1]) becomes
+  // non-zero on CUDA when an index does not fit int16; the CPU kernel raises instead.
+  m.def(
+      "router_topk_record(Tensor[] indices, Tensor? cu_seqlens=None, Tensor? cu_seqlens_padded=None, "
+      "SymInt total_tokens=0, Tensor? attention_mask=None) -> (Tensor routes, Tensor overflow)");
+  // Replay: routes [total_tokens, L, K] (or [B, S, L, K] + attention_mask) -> this TP/CP rank's
+  // int64 targets [L, local_rows / tp_size, K] and, with replay_mask, its packed bool flags.
+  m.def(
+      "router_topk_scatter(Tensor routes, Tensor cu_seqlens, Tensor cu_seqlens_padded, SymInt local_rows, "
+      "int tp_size=1, int tp_rank=0, int cp_size=1, int cp_rank=0, str cp_layout='zigzag', "
+      "Tensor? attention_mask=None, Tensor? replay_mask=None) -> (Tensor targets, Tensor replay_mask_packed)");
+  // --- end router replay ---
 }
 
 TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
@@ -39,6 +56,9 @@ TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cpu);
   m.impl("jagged_gather", &verl_ops::ops::jagged_gather_cpu);
   m.impl("jagged_scatter", &verl_ops::ops::jagged_scatter_cpu);
+  // router replay
+  m.impl("router_topk_record", &verl_ops::ops::router_topk_record_cpu);
+  m.impl("router_topk_scatter", &verl_ops::ops::router_topk_scatter_cpu);
 }
 
 TORCH_LIBRARY_IMPL(verl_ops, Meta, m) {
@@ -47,6 +67,9 @@ TORCH_LIBRARY_IMPL(verl_ops, Meta, m) {
   m.impl("postprocess_thd", TORCH_FN(verl_ops::ops::postprocess_thd_meta));
   m.impl("jagged_gather", TORCH_FN(verl_ops::ops::jagged_gather_meta));
   m.impl("jagged_scatter", TORCH_FN(verl_ops::ops::jagged_scatter_meta));
+  // router replay
+  m.impl("router_topk_record", TORCH_FN(verl_ops::ops::router_topk_record_meta));
+  m.impl("router_topk_scatter", TORCH_FN(verl_ops::ops::router_topk_scatter_meta));
 }
 
 #ifdef VERL_OPS_WITH_CUDA
@@ -55,5 +78,8 @@ TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cuda);
   m.impl("jagged_gather", &verl_ops::ops::jagged_gather_cuda);
   m.impl("jagged_scatter", &verl_ops::ops::jagged_scatter_cuda);
+  // router replay
+  m.impl("router_topk_record", &verl_ops::ops::router_topk_record_cuda);
+  m.impl("router_topk_scatter", &verl_ops::ops::router_topk_scatter_cuda);
 }
 #endif
