@@ -423,6 +423,14 @@ std::tuple<at::Tensor, at::Tensor> router_topk_scatter_meta(
   }
   check_offsets(op, "cu_seqlens", cu_seqlens, routes.device());
   check_offsets(op, "cu_seqlens_padded", cu_seqlens_padded, routes.device());
+  for (const auto* m : {&attention_mask, &replay_mask}) {
+    const std::string name = m == &attention_mask ? "attention_mask" : "replay_mask";
+    if (!m->has_value()) continue;
+    if ((*m)->scalar_type() != at::kBool) fail(op + ": " + name + " must be bool, got " + dtype_name((*m)->scalar_type()));
+    if ((*m)->device() != routes.device()) {
+      fail(op + ": " + name + " is on " + c10::str((*m)->device()) + " but routes are on " + c10::str(routes.device()));
+    }
+  }
   const c10::SymInt rows = local_rows / tp_size;
   const auto opts = routes.options();
   at::Tensor targets = at::empty_symint({routes.sym_size(-2), rows, routes.sym_size(-1)}, opts.dtype(at::kLong));
