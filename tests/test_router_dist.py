@@ -114,6 +114,33 @@ def _check_config(rank, tp, cp, vi, vr, stub, verl_ops, RouterCase, verl_stack):
     else:
         raise AssertionError(f"rank {rank}: mismatched layouts across ranks did not raise")
 
+    # A bad input on one rank raises on every rank (never a hang in the gathers): an id outside
+    # int16 on rank 0, too few rows on the last rank, a layout the TP split cannot cut on all.
+    world = tp * cp
+    case = RouterCase(random.Random(1), [5, 7], 2, 2, tp=tp, cp=cp)
+    for bad_rank, what in ((0, "outside the int16 range"), (world - 1, "rows per layer but the layout gives")):
+        rec = case.recorded(tp_rank, cp_rank, "list")
+        if rank == bad_rank:
+            if bad_rank == 0:
+                rec[1][0, 1] = 40000
+            else:
+                rec = [t[:-1] for t in rec]
+        try:
+            verl_ops.merge_router_topk(rec, case.layout, tp_group=tp_group, cp_group=cp_group)
+        except (RuntimeError, ValueError) as e:
+            want = what if rank == bad_rank else "another rank's input failed its checks"
+            assert want in str(e), (rank, bad_rank, str(e))
+        else:
+            raise AssertionError(f"rank {rank}: a bad input on rank {bad_rank} did not raise here")
+    if tp > 1:
+        odd = verl_ops.ThdLayout.from_lengths([3], tp_size=tp, cp_size=cp, cp_layout="contiguous", min_local_rows=7)
+        try:
+            verl_ops.merge_router_topk([torch.zeros(3, 2, dtype=torch.long)], odd, tp_group=tp_group, cp_group=cp_group)
+        except ValueError as e:
+            assert f"local_rows=7 is not divisible by tp_size={tp}" in str(e), str(e)
+        else:
+            raise AssertionError(f"rank {rank}: a layout the TP split cannot cut did not raise")
+
 
 def _worker(rank, world, port, queue):
     try:

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import torch
 
-from ._thd import _check_mask_lengths, _layout_on, _should_validate, check_layout_across_ranks
+from ._thd import _check_mask_lengths, _layout_on, _should_validate
 from .layout import ThdLayout
 
 _ops = torch.ops.verl_ops
@@ -90,6 +90,54 @@ def _check_int_mask(op: str, name: str, mask, device) -> None:
         raise ValueError(f"{op}: {name} is on {mask.device} but the routes are on {device}")
 
 
+def _exchange_device(group) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(op: str, layout: ThdLayout, groups, overflow, error) -> None:
+    """One fixed-size all-gather per group, issued by every rank whatever its data; then every rank
+    raises if any rank of the TP x CP grid failed its input checks, holds a different layout, or
+    recorded an id outside the int16 range. A rank-local error therefore never leaves the other
+    ranks waiting in the gathers that follow."""
+    import torch.distributed as dist
+
+    from ._thd import _layout_fingerprint
+
+    device = _exchange_device(groups[0])
+    fp = torch.tensor(_layout_fingerprint(layout), dtype=torch.int64)
+    n = fp.numel()
+    flags = torch.tensor([1 if error is not None else 0, 0, 0], dtype=torch.int64)
+    payload = torch.cat([fp, flags]).to(device)
+    if overflow is not None:
+        payload[n + 2] = overflow.to(device=device, dtype=torch.int64).reshape(())
+    for group in groups:
+        world = dist.get_world_size(group)
+        out = torch.empty(world * payload.numel(), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(out, payload, group=group)
+        rows = out.view(world, -1)
+        mismatch = (rows[:, :n] != rows[0, :n]).any().to(torch.int64)
+        verdict = rows[:, n:].amax(dim=0)
+        verdict[1] = torch.maximum(verdict[1], mismatch)
+        # The next group sees this group's verdict: over TP then CP every rank learns about all.
+        payload = torch.cat([payload[:n], verdict])
+    failed, mismatch, over = payload[n:].tolist()  # the one host read of the checks
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{op}: another rank's input failed its checks (see that rank's error)")
+    if mismatch:
+        raise RuntimeError(f"{op}: TP/CP ranks disagree on the THD layout (every rank must pass the same layout)")
+    if over:
+        raise RuntimeError(
+            f"{op}: indices hold values outside the int16 range [-32768, 32767] on this or another rank; "
+            "router replay stores expert ids as int16"
+        )
+
+
 def merge_router_topk(
     indices,
     layout: ThdLayout,
@@ -114,44 +162,61 @@ def merge_router_topk(
         attention_mask: bool ``[B, S]``: return padded ``[B, S, L, K]`` (zeros where it is false).
         as_nested: without a mask, return a jagged nested tensor ``[B, j, L, K]`` (default) or its
             values ``[total_tokens, L, K]``.
-        validate: check layouts across ranks, the mask against the layout and the int16 range on
-            CUDA (host reads). Default: on, except under torch.compile / CUDA-graph capture.
+        validate: check the mask against the layout, the layouts across ranks and the int16 range
+            on CUDA (host reads). Default: on, except under torch.compile / CUDA-graph capture.
 
     Returns:
         int16 routes of every valid token, identical on every rank of the TP and CP groups.
 
-    Every rank of both groups must call this with the same layout: the collectives are the same
-    on every rank whatever its data.
+    Every rank of both groups must call this with the same layout. With validation, the ranks
+    first exchange one small status vector (layout fingerprint, input-check failure, int16
+    overflow) over the TP group and then the CP group, so a bad input on one rank raises on every
+    rank instead of leaving the others waiting in the gathers.
     """
     op = "merge_router_topk"
-    layer_list, num_layers, rows, topk, device = _layer_list(op, indices)
-    layout = _layout_on(op, layout, layer_list[0])
-    rows_sp = _rows_per_tp_rank(op, layout)
-    if rows != rows_sp:
-        raise ValueError(
-            f"{op}: indices hold {rows} rows per layer but the layout gives this rank "
-            f"local_rows / tp_size = {layout.local_rows} / {layout.tp_size} = {rows_sp}"
-        )
+    if not isinstance(layout, ThdLayout):
+        raise TypeError(f"{op}: layout must be a verl_ops.ThdLayout, got {type(layout)}")
     tp, cp = layout.tp_size, layout.cp_size
     if tp > 1:
         _check_group(op, "tp", tp_group, tp)
     if cp > 1:
         _check_group(op, "cp", cp_group, cp)
-    if attention_mask is not None:
-        _check_mask_lengths(op, attention_mask, layout, validate)
-    check = _should_validate(validate, layer_list[0])
-    if tp == 1 and cp == 1:
+    multi = tp > 1 or cp > 1
+    exchange = multi and validate is not False and not torch.compiler.is_compiling()
+    if exchange and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        exchange = False
+    error = overflow = None
+    try:
+        layer_list, num_layers, rows, topk, device = _layer_list(op, indices)
+        layout = _layout_on(op, layout, layer_list[0])
+        rows_sp = _rows_per_tp_rank(op, layout)
+        if rows != rows_sp:
+            raise ValueError(
+                f"{op}: indices hold {rows} rows per layer but the layout gives this rank "
+                f"local_rows / tp_size = {layout.local_rows} / {layout.tp_size} = {rows_sp}"
+            )
+        if attention_mask is not None:
+            _check_mask_lengths(op, attention_mask, layout, validate)
+        if multi:
+            local, overflow = _ops.router_topk_record(layer_list)
+    except (ValueError, RuntimeError) as e:
+        if not exchange:
+            raise
+        error = e
+    if exchange:
+        _agree(op, layout, [g for g, size in ((tp_group, tp), (cp_group, cp)) if size > 1], overflow, error)
+    if not multi:
         routes, overflow = _ops.router_topk_record(
             layer_list, layout.cu_seqlens, layout.cu_seqlens_padded, layout.total_tokens, attention_mask
         )
+        if _should_validate(validate, overflow) and overflow.is_cuda and bool(overflow.any()):
+            raise RuntimeError(
+                f"{op}: indices hold values outside the int16 range [-32768, 32767]; router replay stores "
+                "expert ids as int16"
+            )
     else:
         import torch.distributed._functional_collectives as funcol
 
-        if check:
-            for group, size in ((tp_group, tp), (cp_group, cp)):
-                if size > 1:
-                    check_layout_across_ranks(layout, group, device)
-        local, overflow = _ops.router_topk_record(layer_list)
         # Collectives move bytes: NCCL has no int16 (and gloo needs none); the uint8 view is free.
         shard = local.view(torch.uint8)
         if tp > 1:
@@ -170,11 +235,6 @@ def merge_router_topk(
             False,
             attention_mask,
         ).view(torch.int16)
-    if check and overflow.is_cuda and bool(overflow.any()):
-        raise RuntimeError(
-            f"{op}: indices hold values outside the int16 range [-32768, 32767]; router replay stores "
-            "expert ids as int16"
-        )
     if attention_mask is not None or not as_nested:
         return routes
     return torch.nested.nested_tensor_from_jagged(
