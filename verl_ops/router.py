@@ -47,12 +47,15 @@ def _layer_list(op: str, indices):
     if isinstance(indices, torch.Tensor):
         if indices.is_nested or indices.dim() != 3:
             raise ValueError(
-                f"{op}: indices must be a list of L tensors [T_local_sp, K] or one [L, T_local_sp, K] tensor, "
+                f"{op}: indices must be a list of L tensors [T_local_sp, K] or one [L, T_local_sp, K] "
+                "tensor, "
                 f"got shape {tuple(indices.shape)}"
             )
         return [indices], indices.shape[0], indices.shape[1], indices.shape[2], indices.device
     if not isinstance(indices, (list, tuple)) or len(indices) == 0:
-        raise ValueError(f"{op}: indices must be a non-empty list of [T_local_sp, K] tensors, got {type(indices)}")
+        raise ValueError(
+            f"{op}: indices must be a non-empty list of [T_local_sp, K] tensors, got {type(indices)}"
+        )
     for i, t in enumerate(indices):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)
@@ -72,7 +75,9 @@ def _rows_per_tp_rank(op: str, layout: ThdLayout) -> int:
 
 def _check_group(op: str, name: str, group, size: int) -> None:
     if group is None:
-        raise ValueError(f"{op}: layout.{name}_size={size} needs {name}_group (the process group to gather over)")
+        raise ValueError(
+            f"{op}: layout.{name}_size={size} needs {name}_group (the process group to gather over)"
+        )
     if torch.compiler.is_compiling():
         return
     import torch.distributed as dist
@@ -130,7 +135,9 @@ def _agree(op: str, layout: ThdLayout, groups, overflow, error) -> None:
     if failed:
         raise RuntimeError(f"{op}: another rank's input failed its checks (see that rank's error)")
     if mismatch:
-        raise RuntimeError(f"{op}: TP/CP ranks disagree on the THD layout (every rank must pass the same layout)")
+        raise RuntimeError(
+            f"{op}: TP/CP ranks disagree on the THD layout (every rank must pass the same layout)"
+        )
     if over:
         raise RuntimeError(
             f"{op}: indices hold values outside the int16 range [-32768, 32767] on this or another rank; "
@@ -252,14 +259,20 @@ def _jagged_values(op: str, name: str, x: torch.Tensor, layout: ThdLayout, valid
             offsets, values = x.offsets(), x.values()
         else:
             if x.layout != torch.jagged or getattr(x, "_lengths", None) is not None:
-                raise ValueError(f"{op}: {name} must be a contiguous jagged nested tensor (layout=torch.jagged)")
+                raise ValueError(
+                    f"{op}: {name} must be a contiguous jagged nested tensor (layout=torch.jagged)"
+                )
             offsets, values = x._offsets, x._values
         if offsets.shape[0] - 1 != layout.batch_size:
-            raise ValueError(f"{op}: {name} has {offsets.shape[0] - 1} sequences but the layout has {layout.batch_size}")
+            raise ValueError(
+                f"{op}: {name} has {offsets.shape[0] - 1} sequences but the layout has {layout.batch_size}"
+            )
         if (
             offsets is not layout.source_offsets
             and _should_validate(validate, values)
-            and not torch.equal(offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64))
+            and not torch.equal(
+                offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64)
+            )
         ):
             raise ValueError(f"{op}: {name}'s offsets do not match the layout's cu_seqlens")
     else:

@@ -13,7 +13,9 @@ std::tuple<at::Tensor, at::Tensor> router_topk_record_cuda(
     const std::optional<at::Tensor>& cu_seqlens_padded, int64_t total_tokens,
     const std::optional<at::Tensor>& attention_mask) {
   TORCH_CHECK(!indices.empty(), std::string("router_topk_record: indices must hold at least one layer, got an empty list"));
-  const c10::cuda::CUDAGuard guard(indices[0].device());
+  // A CPU tensor among CUDA ones reaches this kernel too: prepare_router_record reports the mix.
+  c10::cuda::OptionalCUDAGuard guard;
+  if (indices[0].is_cuda()) guard.set_device(indices[0].device());
   at::Tensor routes, overflow;
   RouterRecordCall call = prepare_router_record(indices, cu_seqlens, cu_seqlens_padded, total_tokens,
                                                 attention_mask, &routes, &overflow);
@@ -29,7 +31,8 @@ std::tuple<at::Tensor, at::Tensor> router_topk_scatter_cuda(
     int64_t local_rows, int64_t tp_size, int64_t tp_rank, int64_t cp_size, int64_t cp_rank,
     const std::string& cp_layout, const std::optional<at::Tensor>& attention_mask,
     const std::optional<at::Tensor>& replay_mask) {
-  const c10::cuda::CUDAGuard guard(routes.device());
+  c10::cuda::OptionalCUDAGuard guard;
+  if (routes.is_cuda()) guard.set_device(routes.device());
   at::Tensor targets, replay_out;
   RouterScatterCall call = prepare_router_scatter(routes, cu_seqlens, cu_seqlens_padded, local_rows, tp_size, tp_rank,
                                                   cp_size, cp_rank, cp_layout, attention_mask, replay_mask, &targets,

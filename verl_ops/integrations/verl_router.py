@@ -83,9 +83,12 @@ def layout_options(tf_config, *, nested: bool = True) -> dict:
     }
 
 
-def router_layout(lengths, tf_config, *, tp_size: int, cp_size: int, nested: bool = True, device=None) -> ThdLayout:
+def router_layout(
+    lengths, tf_config, *, tp_size: int, cp_size: int, nested: bool = True, device=None
+) -> ThdLayout:
     """The ThdLayout the model's forward builds for these lengths (see :func:`layout_options`)."""
-    return ThdLayout.from_lengths(lengths, tp_size=tp_size, cp_size=cp_size, device=device, **layout_options(tf_config, nested=nested))
+    options = layout_options(tf_config, nested=nested)
+    return ThdLayout.from_lengths(lengths, tp_size=tp_size, cp_size=cp_size, device=device, **options)
 
 
 def _cp_of(mpu, local_cp_size):
@@ -107,7 +110,8 @@ def _layout_for(op, lengths, tf_config, tp_size, cp_size, nested, device, packed
         want = torch.as_tensor(lengths).detach().to("cpu", torch.int64)
         if layout.tp_size != tp_size or layout.cp_size != cp_size:
             raise ValueError(
-                f"{op}: packed_seq_params' layout was built for tp_size={layout.tp_size}, cp_size={layout.cp_size} "
+                f"{op}: packed_seq_params' layout was built for tp_size={layout.tp_size}, "
+                f"cp_size={layout.cp_size} "
                 f"but this call runs with tp_size={tp_size}, cp_size={cp_size}"
             )
         if tuple(want.tolist()) != layout.lengths:
@@ -118,7 +122,8 @@ def _layout_for(op, lengths, tf_config, tp_size, cp_size, nested, device, packed
 
 def _bool_mask(op: str, attention_mask) -> torch.Tensor:
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        is_tensor = isinstance(attention_mask, torch.Tensor)
+        shape = tuple(attention_mask.shape) if is_tensor else type(attention_mask)
         raise ValueError(f"{op}: attention_mask must be a [B, S] tensor, got {shape}")
     return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
 
@@ -126,8 +131,9 @@ def _bool_mask(op: str, attention_mask) -> torch.Tensor:
 def _first_device(layers_topk_idx):
     if isinstance(layers_topk_idx, torch.Tensor):
         return layers_topk_idx.device
-    if isinstance(layers_topk_idx, (list, tuple)) and layers_topk_idx and isinstance(layers_topk_idx[0], torch.Tensor):
-        return layers_topk_idx[0].device
+    if isinstance(layers_topk_idx, (list, tuple)) and layers_topk_idx:
+        if isinstance(layers_topk_idx[0], torch.Tensor):
+            return layers_topk_idx[0].device
     return None
 
 
@@ -174,7 +180,9 @@ def merge_router_topk_indices(
     layout = _layout_for(op, mask.sum(dim=-1), tf_config, tp_size, cp_size, False, device, packed_seq_params)
     if device is not None:
         mask = mask.to(device)
-    return merge_router_topk(layers_topk_idx, layout, tp_group=tp_group, cp_group=cp_group, attention_mask=mask)
+    return merge_router_topk(
+        layers_topk_idx, layout, tp_group=tp_group, cp_group=cp_group, attention_mask=mask
+    )
 
 
 def set_router_replay_data(
@@ -226,11 +234,17 @@ def set_router_replay_data(
     else:
         mask = _bool_mask(op, attention_mask).to(device)
         cp_size, cp_rank, _ = _cp_of(mpu, None)
-        layout = _layout_for(op, mask.sum(dim=-1), tf_config, tp_size, cp_size, False, device, packed_seq_params)
+        lengths = mask.sum(dim=-1)
+        layout = _layout_for(op, lengths, tf_config, tp_size, cp_size, False, device, packed_seq_params)
         if replay_mask is not None:
             replay_mask = _bool_mask(op, replay_mask).to(device)
         targets, packed_mask = scatter_router_topk(
-            layers_topk_idx, layout, tp_rank=tp_rank, cp_rank=cp_rank, attention_mask=mask, replay_mask=replay_mask
+            layers_topk_idx,
+            layout,
+            tp_rank=tp_rank,
+            cp_rank=cp_rank,
+            attention_mask=mask,
+            replay_mask=replay_mask,
         )
     if routers is not None:
         routers = list(routers)
