@@ -405,6 +405,8 @@ def test_bad_input_record(rng):
         OPS.router_topk_record([rec[0], rec[1].int()])
     with pytest.raises(RuntimeError, match="router_topk_record: indices must be an integer tensor"):
         OPS.router_topk_record([rec[0].float()])
+    with pytest.raises(RuntimeError, match="router_topk_record: indices hold L \\* K = 4194305 indices per token"):
+        OPS.router_topk_record([torch.zeros(1, (1 << 22) + 1, dtype=torch.int16)])
     with pytest.raises(ValueError, match="merge_router_topk: indices must be a non-empty list"):
         merge_router_topk([], layout)
     with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[0\] must be \[T_local_sp, K\]"):
@@ -474,6 +476,10 @@ def test_bad_input_scatter(rng):
         OPS.router_topk_scatter(vals, layout.cu_seqlens, layout.cu_seqlens_padded, 1, 3, 0, 2, 0)
     with pytest.raises(RuntimeError, match=r"router_topk_scatter: cp_rank must be in \[0, cp_size=2\), got 2"):
         OPS.router_topk_scatter(vals, *args, 2, 0, 2, 2)
+    with pytest.raises(RuntimeError, match="router_topk_scatter: routes hold L \\* K = 4194305 indices per token"):
+        one = verl_ops.ThdLayout.from_lengths([1])
+        OPS.router_topk_scatter(torch.zeros(1, 1, (1 << 22) + 1, dtype=torch.int16), one.cu_seqlens,
+                                one.cu_seqlens_padded, one.local_rows)
     with pytest.raises(RuntimeError, match="router_topk_scatter: cp_layout must be 'zigzag' or 'contiguous'"):
         OPS.router_topk_scatter(vals, *args, 2, 0, 2, 0, "ring")
     with pytest.raises(RuntimeError, match="router_topk_scatter: attention_mask row .* valid tokens but the layout says"):
@@ -538,7 +544,7 @@ def test_cuda_many_layers_and_misaligned(rng):
 
 @pytest.mark.gpu
 def test_cuda_out_of_range_raises_lazily(rng):
-    case = case_for(rng, 1, 1, "zigzag", False, L=2, K=8, n=3)
+    case = RouterCase(rng, [3, 2, 5], 2, 8)
     rec = to_dev(case.recorded(0, 0, "list"), "cuda")
     rec[1][0, 3] = 1 << 20
     _, overflow = OPS.router_topk_record(rec)  # no host synchronisation inside the op

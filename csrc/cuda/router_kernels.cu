@@ -49,6 +49,17 @@ __device__ __forceinline__ int16_t to_int16(T v, bool* bad) {
 }
 
 template <typename T>
+__device__ __forceinline__ void zero8(T* v) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = T(0);
+}
+
+// The vector paths move units of 8 indices (K % 8 == 0): each thread keeps kUnroll units' loads
+// in flight before it converts and stores them, enough bytes in flight per SM to cover memory
+// latency even for 16-byte int16 units.
+constexpr int kUnroll = 4;
+
+template <typename T>
 __global__ void __launch_bounds__(kBlock)
     record_kernel(core::RouterRecordPlan plan, LayerTable table, int32_t nl, int32_t layer0,
                   int32_t num_layers, int32_t topk, int16_t* __restrict__ out, int64_t rows,
@@ -63,6 +74,7 @@ __global__ void __launch_bounds__(kBlock)
     s_col_stride[l] = table.col_stride[l];
   }
   bool bad = false;
+  const int32_t kc = topk >> 3;  // 8-index units per (row, layer) on the vector path
   const int64_t num_tiles = (rows + tile_rows - 1) / tile_rows;
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int64_t row0 = tile * tile_rows;
@@ -70,30 +82,64 @@ __global__ void __launch_bounds__(kBlock)
     if (threadIdx.x < n) tile_src[threadIdx.x] = core::router_record_source_row(plan, row0 + threadIdx.x);
     __syncthreads();
     const int32_t items = n * nl;
-    for (int32_t j = threadIdx.x; j < items; j += kBlock) {
-      const int32_t r = j / nl;
-      const int32_t l = j - r * nl;
-      const int64_t s = tile_src[r];
-      int16_t* dst = out + ((row0 + r) * num_layers + layer0 + l) * topk;
-      if (s < 0) {
-        if (vec) {
-          for (int32_t k = 0; k < topk; k += 8) *reinterpret_cast<uint4*>(dst + k) = make_uint4(0, 0, 0, 0);
-        } else {
-          for (int32_t k = 0; k < topk; ++k) dst[k] = 0;
-        }
-        continue;
-      }
-      const T* src = s_ptr[l] + s * s_row_stride[l];
-      if (vec) {
-        for (int32_t k = 0; k < topk; k += 8) {
-          alignas(16) T v[8];
-          alignas(16) int16_t o[8];
-          load8(src + k, v);
+    if (vec) {
+      // Unit u: item j = u / kc (layer-fastest over the tile's rows), 8-index chunk c = u % kc.
+      const int32_t units = items * kc;
+      auto locate = [&](int32_t u, const T** src, int16_t** dst) {
+        const int32_t j = u / kc;
+        const int32_t c = u - j * kc;
+        const int32_t r = j / nl;
+        const int32_t l = j - r * nl;
+        const int64_t sr = tile_src[r];
+        *dst = out + ((row0 + r) * num_layers + layer0 + l) * topk + c * 8;
+        *src = sr >= 0 ? s_ptr[l] + sr * s_row_stride[l] + c * 8 : nullptr;
+      };
+      auto store = [&](int16_t* dst, const T* v) {
+        alignas(16) int16_t o[8];
 #pragma unroll
-          for (int i = 0; i < 8; ++i) o[i] = to_int16(v[i], &bad);
-          *reinterpret_cast<uint4*>(dst + k) = *reinterpret_cast<const uint4*>(o);
+        for (int i = 0; i < 8; ++i) o[i] = to_int16(v[i], &bad);
+        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(o);
+      };
+      int32_t u = threadIdx.x;
+      for (; u + (kUnroll - 1) * kBlock < units; u += kUnroll * kBlock) {
+        alignas(16) T v[kUnroll][8];
+        int16_t* dst[kUnroll];
+#pragma unroll
+        for (int q = 0; q < kUnroll; ++q) {
+          const T* src;
+          locate(u + q * kBlock, &src, &dst[q]);
+          if (src != nullptr) {
+            load8(src, v[q]);
+          } else {
+            zero8(v[q]);
+          }
         }
-      } else {
+#pragma unroll
+        for (int q = 0; q < kUnroll; ++q) store(dst[q], v[q]);
+      }
+      for (; u < units; u += kBlock) {
+        alignas(16) T v[8];
+        const T* src;
+        int16_t* dst;
+        locate(u, &src, &dst);
+        if (src != nullptr) {
+          load8(src, v);
+        } else {
+          zero8(v);
+        }
+        store(dst, v);
+      }
+    } else {
+      for (int32_t j = threadIdx.x; j < items; j += kBlock) {
+        const int32_t r = j / nl;
+        const int32_t l = j - r * nl;
+        const int64_t sr = tile_src[r];
+        int16_t* dst = out + ((row0 + r) * num_layers + layer0 + l) * topk;
+        if (sr < 0) {
+          for (int32_t k = 0; k < topk; ++k) dst[k] = 0;
+          continue;
+        }
+        const T* src = s_ptr[l] + sr * s_row_stride[l];
         const int64_t cs = s_col_stride[l];
         for (int32_t k = 0; k < topk; ++k) dst[k] = to_int16(src[k * cs], &bad);
       }
@@ -109,42 +155,77 @@ __global__ void __launch_bounds__(kBlock)
                    int32_t topk, const bool* __restrict__ replay_in, int64_t* __restrict__ targets,
                    bool* __restrict__ replay_out, int64_t rows, int32_t tile_rows, bool vec) {
   __shared__ int64_t tile_src[kBlock];
+  const int32_t kc = topk >> 3;
   const int64_t num_tiles = (rows + tile_rows - 1) / tile_rows;
   for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x) {
     const int64_t row0 = tile * tile_rows;
     const int32_t n = static_cast<int32_t>(rows - row0 < tile_rows ? rows - row0 : tile_rows);
     if (threadIdx.x < n) {
-      const int64_t s = core::router_scatter_source_row(plan, row0 + threadIdx.x);
-      tile_src[threadIdx.x] = s;
-      if (replay_out != nullptr) replay_out[row0 + threadIdx.x] = s >= 0 && replay_in[s];
+      const int64_t sr = core::router_scatter_source_row(plan, row0 + threadIdx.x);
+      tile_src[threadIdx.x] = sr;
+      if (replay_out != nullptr) replay_out[row0 + threadIdx.x] = sr >= 0 && replay_in[sr];
     }
     __syncthreads();
     const int32_t items = n * num_layers;
-    for (int32_t j = threadIdx.x; j < items; j += kBlock) {
-      const int32_t l = j / n;
-      const int32_t r = j - l * n;
-      const int64_t s = tile_src[r];
-      int64_t* dst = targets + (static_cast<int64_t>(l) * rows + row0 + r) * topk;
-      if (s < 0) {
-        if (vec) {
-          for (int32_t k = 0; k < topk; k += 2) *reinterpret_cast<uint4*>(dst + k) = make_uint4(0, 0, 0, 0);
-        } else {
-          for (int32_t k = 0; k < topk; ++k) dst[k] = 0;
+    if (vec) {
+      // Unit u: item j = u / kc (row-fastest within each layer), 8-index chunk c = u % kc.
+      const int32_t units = items * kc;
+      auto locate = [&](int32_t u, const T** src, int64_t** dst) {
+        const int32_t j = u / kc;
+        const int32_t c = u - j * kc;
+        const int32_t l = j / n;
+        const int32_t r = j - l * n;
+        const int64_t sr = tile_src[r];
+        *dst = targets + (static_cast<int64_t>(l) * rows + row0 + r) * topk + c * 8;
+        *src = sr >= 0 ? routes + (sr * num_layers + l) * topk + c * 8 : nullptr;
+      };
+      auto store = [&](int64_t* dst, const T* v) {
+        alignas(16) int64_t o[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) o[i] = static_cast<int64_t>(v[i]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(o)[i];
+      };
+      int32_t u = threadIdx.x;
+      for (; u + (kUnroll - 1) * kBlock < units; u += kUnroll * kBlock) {
+        alignas(16) T v[kUnroll][8];
+        int64_t* dst[kUnroll];
+#pragma unroll
+        for (int q = 0; q < kUnroll; ++q) {
+          const T* src;
+          locate(u + q * kBlock, &src, &dst[q]);
+          if (src != nullptr) {
+            load8(src, v[q]);
+          } else {
+            zero8(v[q]);
+          }
         }
-        continue;
+#pragma unroll
+        for (int q = 0; q < kUnroll; ++q) store(dst[q], v[q]);
       }
-      const T* src = routes + (s * num_layers + l) * topk;
-      if (vec) {
-        for (int32_t k = 0; k < topk; k += 8) {
-          alignas(16) T v[8];
-          alignas(16) int64_t o[8];
-          load8(src + k, v);
-#pragma unroll
-          for (int i = 0; i < 8; ++i) o[i] = static_cast<int64_t>(v[i]);
-#pragma unroll
-          for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(dst + k)[i] = reinterpret_cast<const uint4*>(o)[i];
+      for (; u < units; u += kBlock) {
+        alignas(16) T v[8];
+        const T* src;
+        int64_t* dst;
+        locate(u, &src, &dst);
+        if (src != nullptr) {
+          load8(src, v);
+        } else {
+          zero8(v);
         }
-      } else {
+        store(dst, v);
+      }
+    } else {
+      for (int32_t j = threadIdx.x; j < items; j += kBlock) {
+        const int32_t l = j / n;
+        const int32_t r = j - l * n;
+        const int64_t sr = tile_src[r];
+        int64_t* dst = targets + (static_cast<int64_t>(l) * rows + row0 + r) * topk;
+        if (sr < 0) {
+          for (int32_t k = 0; k < topk; ++k) dst[k] = 0;
+          continue;
+        }
+        const T* src = routes + (sr * num_layers + l) * topk;
         for (int32_t k = 0; k < topk; ++k) dst[k] = static_cast<int64_t>(src[k]);
       }
     }

@@ -13,6 +13,8 @@ namespace {
 
 constexpr const char* kRecord = "router_topk_record";
 constexpr const char* kScatter = "router_topk_scatter";
+// Keeps every per-tile index of the CUDA kernels (tile rows x L x K) within int32.
+constexpr int64_t kMaxIndicesPerToken = int64_t{1} << 22;
 
 [[noreturn]] void fail(const std::string& msg) {
   TORCH_CHECK(false, msg);
@@ -190,6 +192,10 @@ RouterRecordCall prepare_router_record(at::TensorList indices,
     for (const at::Tensor& t : indices) call.layers.push_back(core::LayerSlice{t.data_ptr(), t.stride(0), t.stride(1)});
   }
   if (call.num_layers < 1) fail(op + ": indices must hold at least one layer, got shape " + shape_of(first.sizes()));
+  if (call.num_layers * call.topk > kMaxIndicesPerToken) {
+    fail(op + ": indices hold L * K = " + num(call.num_layers * call.topk) + " indices per token, more than the " +
+         num(kMaxIndicesPerToken) + " the kernels support");
+  }
 
   const bool fused = cu_seqlens.has_value() || cu_seqlens_padded.has_value();
   if (fused != (cu_seqlens.has_value() && cu_seqlens_padded.has_value())) {
@@ -367,6 +373,10 @@ RouterScatterCall prepare_router_scatter(const at::Tensor& routes, const at::Ten
   call.routes = routes.contiguous();
   call.num_layers = routes.size(-2);
   call.topk = routes.size(-1);
+  if (call.num_layers * call.topk > kMaxIndicesPerToken) {
+    fail(op + ": routes hold L * K = " + num(call.num_layers * call.topk) + " indices per token, more than the " +
+         num(kMaxIndicesPerToken) + " the kernels support");
+  }
   call.rows = local_rows / tp_size;
   *targets = at::empty({call.num_layers, call.rows, call.topk}, routes.options().dtype(at::kLong));
   *replay_out = at::empty({replay_mask.has_value() ? call.rows : 0}, routes.options().dtype(at::kBool));
