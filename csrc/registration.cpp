@@ -36,8 +36,8 @@ TORCH_LIBRARY(verl_ops, m) {
   // --- router replay (OPS.md section 4) ---
   // Record: L layers of top-k indices (a list of [T, K], or one [L, T, K]; any integer dtype,
   // any strides) -> [T, L, K] int16. With the layout's offsets (tp = cp = 1) the unpack is fused:
-  // [total_tokens, L, K], or [B, S, L, K] with attention_mask. `overflow` (int32 [1]) becomes
-  // non-zero on CUDA when an index does not fit int16; the CPU kernel raises instead.
+  // [total_tokens, L, K], or [B, S, L, K] with attention_mask. `overflow` (int32 [4096] flags) has
+  // a non-zero entry on CUDA when an index does not fit int16; the CPU kernel raises instead.
   m.def(
       "router_topk_record(Tensor[] indices, Tensor? cu_seqlens=None, Tensor? cu_seqlens_padded=None, "
       "SymInt total_tokens=0, Tensor? attention_mask=None) -> (Tensor routes, Tensor overflow)");

@@ -55,7 +55,7 @@ def emulated_merge(case, form, device, attention_mask=None):
         parts = []
         for p in range(case.tp):
             local, overflow = OPS.router_topk_record(op_list(to_dev(case.recorded(p, c, form), device)))
-            assert int(overflow) == 0
+            assert not overflow.any()
             assert torch.equal(local.cpu(), verl_stack(case.recorded(p, c, "list")))
             parts.append(local)
         shards.append(torch.cat(parts))
@@ -516,7 +516,7 @@ def test_cuda_matches_cpu_large(rng, dtype, K):
     for form in ("list", "strided", "stacked_strided"):
         rec = case.recorded(1, 0, form, dtype=dtype)
         got, overflow = OPS.router_topk_record(op_list(to_dev(rec, "cuda")))
-        assert int(overflow) == 0 and torch.equal(got.cpu(), OPS.router_topk_record(op_list(rec))[0])
+        assert not overflow.any() and torch.equal(got.cpu(), OPS.router_topk_record(op_list(rec))[0])
     for form in ("list", "strided"):
         one = RouterCase(rng, lengths, 48, K, fp8=True, high=100)
         rec = one.recorded(0, 0, form, dtype=dtype)
@@ -548,7 +548,7 @@ def test_cuda_out_of_range_raises_lazily(rng):
     rec = to_dev(case.recorded(0, 0, "list"), "cuda")
     rec[1][0, 3] = 1 << 20
     _, overflow = OPS.router_topk_record(rec)  # no host synchronisation inside the op
-    assert int(overflow) != 0
+    assert overflow.any()
     with pytest.raises(RuntimeError, match="merge_router_topk: indices hold values outside the int16 range"):
         merge_router_topk(rec, case.layout)
     out = merge_router_topk(rec, case.layout, as_nested=False, validate=False)

@@ -23,11 +23,19 @@ Each direction is one kernel launch on the local data (plus the two all-gathers 
 table (any integer dtype, any strides; no ``torch.stack`` / ``permute`` / ``view`` copies) and,
 when nothing needs gathering (tp = cp = 1), writes the per-sequence result directly.
 
-Range check: expert ids are stored as int16. On CPU an id outside ``[-32768, 32767]`` raises at
-once. On CUDA the kernel raises a device flag instead of synchronising; ``merge_router_topk`` reads
-that flag once, after everything else has been enqueued (the caller copies the result to the host
-next in verl anyway), and raises ``RuntimeError``. With ``validate=False`` (and under
-torch.compile or CUDA-graph capture) the flag is not read and such ids come out as -1.
+Range check: expert ids are stored as int16. On CPU the record kernel raises at once on an id
+outside ``[-32768, 32767]``. On CUDA it raises a device flag instead of synchronising, and
+``merge_router_topk`` reads the flag where it reads the host anyway: with tp = cp = 1 once the
+result is enqueued (verl copies the result to the host next in any case); with tp * cp > 1 in the
+status exchange that precedes the gathers (below), so every rank raises together. With
+``validate=False`` (and under torch.compile or CUDA-graph capture) the flag is not read and such
+ids come out as -1.
+
+Collectives: with tp * cp > 1 and validation on, the ranks first exchange one small status vector
+(layout fingerprint, whether this rank's input failed its checks, int16 overflow) over the TP group
+and then over the CP group; every rank then raises if any rank failed, so a bad input on one rank
+is an error everywhere instead of a hang in the gathers. The gathers themselves are functional
+all-gathers of the int16 rows viewed as uint8 (NCCL has no int16), first over TP, then over CP.
 """
 
 from __future__ import annotations
@@ -118,7 +126,7 @@ def _agree(op: str, layout: ThdLayout, groups, overflow, error) -> None:
     flags = torch.tensor([1 if error is not None else 0, 0, 0], dtype=torch.int64)
     payload = torch.cat([fp, flags]).to(device)
     if overflow is not None:
-        payload[n + 2] = overflow.to(device=device, dtype=torch.int64).reshape(())
+        payload[n + 2] = overflow.amax().to(device=device, dtype=torch.int64)
     for group in groups:
         world = dist.get_world_size(group)
         out = torch.empty(world * payload.numel(), dtype=torch.int64, device=device)

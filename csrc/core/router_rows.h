@@ -51,6 +51,11 @@ VERL_HD int64_t router_scatter_source_row(const RouterScatterPlan& p, int64_t ro
 
 VERL_HD bool fits_int16(int64_t v) { return v >= -32768 && v <= 32767; }
 
+// The CUDA record kernel reports ids outside the int16 range in an int32 flag tensor of this many
+// slots: every block writes its own slots (all of them, zero or one), so the tensor needs no
+// zeroing launch before the kernel. Any non-zero slot means an overflow.
+constexpr int64_t kOverflowSlots = 4096;
+
 // Stored in place of an index outside the int16 range when the range error is reported lazily
 // (CUDA): never a valid expert id.
 constexpr int16_t kOutOfRangeIndex = -1;

@@ -63,7 +63,7 @@ template <typename T>
 __global__ void __launch_bounds__(kBlock)
     record_kernel(core::RouterRecordPlan plan, LayerTable table, int32_t nl, int32_t layer0,
                   int32_t num_layers, int32_t topk, int16_t* __restrict__ out, int64_t rows,
-                  int32_t tile_rows, bool vec, int32_t* __restrict__ overflow) {
+                  int32_t tile_rows, bool vec, int32_t* __restrict__ flags, int32_t slots) {
   __shared__ int64_t tile_src[kBlock];
   __shared__ const T* s_ptr[kMaxLayersPerLaunch];
   __shared__ int64_t s_row_stride[kMaxLayersPerLaunch];
@@ -146,7 +146,12 @@ __global__ void __launch_bounds__(kBlock)
     }
     __syncthreads();
   }
-  if (bad) atomicOr(overflow, 1);
+  // Every slot of this launch's range gets written (by block i % gridDim.x), so no slot keeps
+  // stale memory and the flag tensor needs no zeroing launch.
+  const int any_bad = __syncthreads_or(bad ? 1 : 0);
+  if (threadIdx.x == 0) {
+    for (int32_t i = blockIdx.x; i < slots; i += gridDim.x) flags[i] = any_bad;
+  }
 }
 
 template <typename T>
@@ -246,7 +251,10 @@ cudaError_t record_with(const core::RouterRecordPlan& plan, const core::LayerSli
                         int64_t num_layers, int64_t topk, int16_t* out, int64_t rows,
                         int32_t* overflow, cudaStream_t stream) {
   const int64_t vec_align = std::min<int64_t>(16, 8 * static_cast<int64_t>(sizeof(T)));
-  for (int64_t layer0 = 0; layer0 < num_layers; layer0 += kMaxLayersPerLaunch) {
+  const int64_t chunks = (num_layers + kMaxLayersPerLaunch - 1) / kMaxLayersPerLaunch;
+  const int64_t per_chunk = core::kOverflowSlots / chunks;  // >= 1: num_layers is bounded by the op
+  for (int64_t c = 0; c < chunks; ++c) {
+    const int64_t layer0 = c * kMaxLayersPerLaunch;
     const int32_t nl = static_cast<int32_t>(std::min<int64_t>(kMaxLayersPerLaunch, num_layers - layer0));
     LayerTable table;
     bool vec = topk % 8 == 0 && aligned(out, 16);
@@ -258,11 +266,15 @@ cudaError_t record_with(const core::RouterRecordPlan& plan, const core::LayerSli
       vec = vec && s.col_stride == 1 && aligned(s.ptr, vec_align) &&
             (s.row_stride * static_cast<int64_t>(sizeof(T))) % vec_align == 0;
     }
+    // This launch's flag slots; the last launch also covers the remainder.
+    const int64_t slot0 = c * per_chunk;
+    const int64_t slots = (c + 1 == chunks) ? core::kOverflowSlots - slot0 : per_chunk;
     const int32_t tile_rows = static_cast<int32_t>(std::clamp<int64_t>(kBlock * 4 / nl, 1, kBlock));
     const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-    record_kernel<T><<<static_cast<unsigned>(grid_for(tiles)), kBlock, 0, stream>>>(
+    const int64_t grid = std::min<int64_t>(grid_for(tiles), slots);
+    record_kernel<T><<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(
         plan, table, nl, static_cast<int32_t>(layer0), static_cast<int32_t>(num_layers),
-        static_cast<int32_t>(topk), out, rows, tile_rows, vec, overflow);
+        static_cast<int32_t>(topk), out, rows, tile_rows, vec, overflow + slot0, static_cast<int32_t>(slots));
     const cudaError_t err = cudaGetLastError();
     if (err != cudaSuccess) return err;
   }
@@ -290,8 +302,12 @@ cudaError_t launch_router_record(const core::RouterRecordPlan& plan,
                                  const core::LayerSlice* layers, int64_t num_layers, int64_t topk,
                                  core::IndexDtype dtype, int16_t* out, int64_t rows,
                                  int32_t* overflow, cudaStream_t stream) {
-  if (rows == 0 || num_layers == 0 || topk == 0) return cudaSuccess;
-  if (num_layers > (int64_t{1} << 20) || topk > (int64_t{1} << 20)) return cudaErrorInvalidValue;
+  if (num_layers < 1 || num_layers > kMaxLayersPerLaunch * core::kOverflowSlots) return cudaErrorInvalidValue;
+  if (rows == 0 || topk == 0) {
+    // Nothing to move; the flags still must not hold stale memory.
+    return cudaMemsetAsync(overflow, 0, core::kOverflowSlots * sizeof(int32_t), stream);
+  }
+  if (topk > (int64_t{1} << 20)) return cudaErrorInvalidValue;
   switch (dtype) {
     case core::IndexDtype::kUInt8: return record_with<uint8_t>(plan, layers, num_layers, topk, out, rows, overflow, stream);
     case core::IndexDtype::kInt8: return record_with<int8_t>(plan, layers, num_layers, topk, out, rows, overflow, stream);

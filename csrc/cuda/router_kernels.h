@@ -12,9 +12,9 @@ namespace cuda {
 
 // Record: out [rows, L, K] int16 from the L layer slices (host array of device pointers; the
 // table travels as a kernel argument, so the call is CUDA-graph capturable). Values outside the
-// int16 range are stored as core::kOutOfRangeIndex and set *overflow (device int32) to 1; the
-// caller reads the flag when it chooses (no host synchronisation here). One launch per 128
-// layers.
+// int16 range are stored as core::kOutOfRangeIndex; `overflow` (core::kOverflowSlots int32, no
+// initialisation needed) comes out non-zero somewhere iff that happened. The caller reads it when
+// it chooses (no host synchronisation here). One launch per 128 layers.
 cudaError_t launch_router_record(const core::RouterRecordPlan& plan,
                                  const core::LayerSlice* layers, int64_t num_layers, int64_t topk,
                                  core::IndexDtype dtype, int16_t* out, int64_t rows,

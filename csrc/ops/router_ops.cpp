@@ -15,6 +15,8 @@ constexpr const char* kRecord = "router_topk_record";
 constexpr const char* kScatter = "router_topk_scatter";
 // Keeps every per-tile index of the CUDA kernels (tile rows x L x K) within int32.
 constexpr int64_t kMaxIndicesPerToken = int64_t{1} << 22;
+// Keeps at least one overflow slot per CUDA launch (128 layers each).
+constexpr int64_t kMaxLayers = int64_t{1} << 16;
 
 [[noreturn]] void fail(const std::string& msg) {
   TORCH_CHECK(false, msg);
@@ -192,6 +194,9 @@ RouterRecordCall prepare_router_record(at::TensorList indices,
     for (const at::Tensor& t : indices) call.layers.push_back(core::LayerSlice{t.data_ptr(), t.stride(0), t.stride(1)});
   }
   if (call.num_layers < 1) fail(op + ": indices must hold at least one layer, got shape " + shape_of(first.sizes()));
+  if (call.num_layers > kMaxLayers) {
+    fail(op + ": indices hold " + num(call.num_layers) + " layers, more than the " + num(kMaxLayers) + " the kernels support");
+  }
   if (call.num_layers * call.topk > kMaxIndicesPerToken) {
     fail(op + ": indices hold L * K = " + num(call.num_layers * call.topk) + " indices per token, more than the " +
          num(kMaxIndicesPerToken) + " the kernels support");
@@ -245,7 +250,9 @@ RouterRecordCall prepare_router_record(at::TensorList indices,
     u.roll = false;
   }
   *routes = at::empty(out_shape, first.options().dtype(at::kShort));
-  *overflow = at::zeros({1}, first.options().dtype(at::kInt));
+  // CPU raises on overflow and leaves this zero; the CUDA kernel writes every slot itself.
+  *overflow = first.is_cpu() ? at::zeros({core::kOverflowSlots}, first.options().dtype(at::kInt))
+                             : at::empty({core::kOverflowSlots}, first.options().dtype(at::kInt));
   return call;
 }
 
@@ -309,7 +316,7 @@ std::tuple<at::Tensor, at::Tensor> router_topk_record_meta(
     }
   }
   return {at::empty_symint(out_shape, first.options().dtype(at::kShort)),
-          at::empty({1}, first.options().dtype(at::kInt))};
+          at::empty({core::kOverflowSlots}, first.options().dtype(at::kInt))};
 }
 
 RouterScatterCall prepare_router_scatter(const at::Tensor& routes, const at::Tensor& cu_seqlens,
