@@ -9,7 +9,8 @@ Every rank checks, for FP8 on and off and both CP layouts:
 * scatter_router_topk (and set_router_replay_data) == verl's composition: model-engine pack,
   sequence-parallel split, permute, int64; and record -> merge -> replay gives every rank back
   what it recorded on its valid rows;
-* ranks holding different layouts get an error, not a hang.
+* ranks holding different layouts, or one rank's bad input, give an error on every rank, not a hang;
+* the gathered merge compiles with torch.compile(fullgraph=True) (2 ranks).
 
 Each world runs in spawned processes under a timeout, so a hang fails the test.
 """
@@ -142,6 +143,22 @@ def _check_config(rank, tp, cp, vi, vr, stub, verl_ops, RouterCase, verl_stack):
             raise AssertionError(f"rank {rank}: a layout the TP split cannot cut did not raise")
 
 
+def _check_compiled(rank, verl_ops, RouterCase):
+    """torch.compile(fullgraph=True) of the gathered merge (functional collectives) over tp=2."""
+    import torch.distributed as dist
+
+    group = dist.new_group([0, 1])
+    merge = torch.compile(
+        lambda rec, layout: verl_ops.merge_router_topk(rec, layout, tp_group=group, as_nested=False),
+        fullgraph=True,
+        dynamic=True,
+    )
+    for trial in range(2):
+        case = RouterCase(random.Random(f"compile-{trial}"), [3 + trial, 9, 4], 2, 8, tp=2)
+        out = merge(case.recorded(rank, 0, "list"), case.layout)
+        assert torch.equal(out, case.routes.to(torch.int16)), f"rank {rank}: compiled merge"
+
+
 def _worker(rank, world, port, queue):
     try:
         sys.path.insert(0, HERE)
@@ -164,6 +181,8 @@ def _worker(rank, world, port, queue):
         ps.get_tensor_model_parallel_group = lambda: stub.tp_group
         for tp, cp in CONFIGS[world]:
             _check_config(rank, tp, cp, vi, vr, stub, verl_ops, RouterCase, verl_stack)
+        if world == 2:
+            _check_compiled(rank, verl_ops, RouterCase)
         dist.barrier()
         dist.destroy_process_group()
         queue.put((rank, None))
