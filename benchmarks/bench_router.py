@@ -34,12 +34,17 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+ROOT = os.path.dirname(HERE)
+# Prefer the checkout this script belongs to (built in place); fall back to an installed package.
+sys.path.insert(0, ROOT)
 try:
     import verl_ops
-except ImportError:  # run from a checkout without installing: the package is one folder up
-    sys.path.insert(0, os.path.dirname(HERE))
+except ImportError:
+    sys.path.remove(ROOT)
+    for name in [m for m in sys.modules if m == "verl_ops" or m.startswith("verl_ops.")]:
+        del sys.modules[name]
     import verl_ops
+sys.path.insert(0, HERE)
 from bench_thd import copy_bandwidth, device_time, gpu_ops_and_syncs, make_lengths, wall_time  # noqa: E402
 
 from verl_ops import merge_router_topk, scatter_router_topk  # noqa: E402
