@@ -496,7 +496,7 @@ def test_bad_input_scatter(rng):
 
 def test_bad_layout_for_sequence_parallel_split():
     """A contiguous layout whose min_local_rows is no multiple of tp cannot be split over TP ranks
-    (merge_router_topk's check is the same helper, exercised over gloo in test_router_dist.py)."""
+    (merge_router_topk runs the same check; test_router_dist.py exercises it over gloo)."""
     layout = verl_ops.ThdLayout.from_lengths([3], tp_size=2, cp_size=2, cp_layout="contiguous", min_local_rows=7)
     assert layout.local_rows == 7
     with pytest.raises(ValueError, match="scatter_router_topk: local_rows=7 is not divisible by tp_size=2"):
