@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Build on a GPU machine, run the test suite (GPU cases included), compute-sanitizer memcheck on the
-# GPU tests, and the THD benchmark. Logs and results go to ${OUT:-./gpu_out}.
+# On a GPU machine: build, run the test suite (GPU cases included), compute-sanitizer memcheck on
+# the CUDA tests of each suite, then the benchmarks named in BENCH (default: none; e.g.
+# BENCH="thd mla router"). Logs and results go to ${OUT:-./gpu_out}.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
@@ -16,12 +17,26 @@ echo "build: $(( $(date +%s) - t0 )) s"
 python3 -c "import verl_ops; assert verl_ops.cuda_available(); print('cuda kernels ok')" || exit 1
 
 status=0
-python3 -m pytest tests -q -x -k "not wheel" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log" | tail -15 || status=1
-echo "--- compute-sanitizer memcheck (GPU tests)"
-timeout "${SANITIZER_TIMEOUT:-300}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-  python3 -m pytest tests/test_thd.py -q -x -k "cuda and not compile" -p no:cacheprovider \
-  > "$OUT/sanitizer.log" 2>&1; rc=$?
-tail -6 "$OUT/sanitizer.log"; echo "sanitizer rc=$rc"; [ $rc -eq 0 ] || status=1
-echo "--- benchmark"
-python3 benchmarks/bench_thd.py --out "$OUT/results.md" --plot "$OUT/thd.png" 2>&1 | tee "$OUT/bench.log" | tail -40 || status=1
+if [ "${TESTS:-1}" = 1 ]; then
+  t0=$(date +%s)
+  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests -q -k "not wheel" -p no:cacheprovider ${PYTEST_ARGS:-} \
+    > "$OUT/tests.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30; tail -2 "$OUT/tests.log"
+  echo "tests: $(( $(date +%s) - t0 )) s"
+fi
+for suite in ${SANITIZE:-}; do
+  # suite is a test file stem; only its CUDA cases (compile tests excluded: memcheck slows the
+  # compiler, not our kernels).
+  t0=$(date +%s)
+  timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest "tests/test_${suite}.py" -q -x -k "${SANITIZE_K:-cuda and not compile}" -p no:cacheprovider \
+    > "$OUT/sanitizer_${suite}.log" 2>&1; rc=$?
+  echo "sanitizer ${suite}: rc=$rc $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitizer_${suite}.log" | tail -2 | tr '\n' ' ') [$(( $(date +%s) - t0 )) s]"
+  [ $rc -eq 0 ] || status=1
+done
+for b in ${BENCH:-}; do
+  t0=$(date +%s)
+  python3 "benchmarks/bench_${b}.py" --out "$OUT/results_${b}.md" ${BENCH_ARGS:-} > "$OUT/bench_${b}.log" 2>&1 || status=1
+  tail -${BENCH_TAIL:-25} "$OUT/bench_${b}.log"; echo "bench ${b}: $(( $(date +%s) - t0 )) s"
+done
 exit $status

@@ -3,6 +3,7 @@
 
 #include "ops/jagged_ops.h"
 #include "ops/mla_ops.h"
+#include "ops/router_ops.h"
 #include "ops/thd_ops.h"
 
 TORCH_LIBRARY(verl_ops, m) {
@@ -32,13 +33,28 @@ TORCH_LIBRARY(verl_ops, m) {
   m.def("jagged_gather(Tensor values, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_out) -> Tensor");
   // Adjoint of jagged_gather: rows go back where they were gathered from; zeros elsewhere.
   m.def("jagged_scatter(Tensor grad, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_in) -> Tensor");
-}
 
-// ---- mla_forward_padded (OPS.md section 6) ---------------------------------------------------
-// THD attention for MLA head dims: q, k [T, H, Dqk], v [Tk, Hk, Dv] with Dv <= Dqk; equal to
-// attention with v zero-padded to Dqk and the output trimmed to Dv. Returns out [Tq, Hq, Dv] and
-// softmax_lse [Hq, Tq] (float32; float64 for float64 inputs). backend: 'auto', 'padded', 'native'.
-TORCH_LIBRARY_FRAGMENT(verl_ops, m) {
+  // --- router replay (OPS.md section 4) ---
+  // Record: L layers of top-k indices (a list of [T, K], or one [L, T, K]; any integer dtype,
+  // any strides) -> [T, L, K] int16. With the layout's offsets (tp = cp = 1) the unpack is fused:
+  // [total_tokens, L, K], or [B, S, L, K] with attention_mask. `overflow` (int32 [4096] flags) has
+  // a non-zero entry on CUDA when an index does not fit int16; the CPU kernel raises instead.
+  m.def(
+      "router_topk_record(Tensor[] indices, Tensor? cu_seqlens=None, Tensor? cu_seqlens_padded=None, "
+      "SymInt total_tokens=0, Tensor? attention_mask=None) -> (Tensor routes, Tensor overflow)");
+  // Replay: routes [total_tokens, L, K] (or [B, S, L, K] + attention_mask) -> this TP/CP rank's
+  // int64 targets [L, local_rows / tp_size, K] and, with replay_mask, its packed bool flags.
+  m.def(
+      "router_topk_scatter(Tensor routes, Tensor cu_seqlens, Tensor cu_seqlens_padded, SymInt local_rows, "
+      "int tp_size=1, int tp_rank=0, int cp_size=1, int cp_rank=0, str cp_layout='zigzag', "
+      "Tensor? attention_mask=None, Tensor? replay_mask=None) -> (Tensor targets, Tensor replay_mask_packed)");
+  // --- end router replay ---
+
+  // --- mla_forward_padded (OPS.md section 6) ---
+  // THD attention for MLA head dims: q, k [T, H, Dqk], v [Tk, Hk, Dv] with Dv <= Dqk; equal to
+  // attention with v zero-padded to Dqk and the output trimmed to Dv. Returns out [Tq, Hq, Dv]
+  // and softmax_lse [Hq, Tq] (float32; float64 for float64 inputs). backend: 'auto', 'padded',
+  // 'native'.
   m.def(
       "mla_forward_padded(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, "
       "SymInt max_seqlen_q, SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, "
@@ -48,25 +64,8 @@ TORCH_LIBRARY_FRAGMENT(verl_ops, m) {
       "Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, SymInt max_seqlen_q, "
       "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, str backend='auto') "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // --- end mla_forward_padded ---
 }
-
-TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
-  m.impl("mla_forward_padded", &verl_ops::ops::mla_forward_padded_cpu);
-  m.impl("mla_backward_padded", &verl_ops::ops::mla_backward_padded_cpu);
-}
-
-TORCH_LIBRARY_IMPL(verl_ops, Meta, m) {
-  m.impl("mla_forward_padded", TORCH_FN(verl_ops::ops::mla_forward_padded_meta));
-  m.impl("mla_backward_padded", TORCH_FN(verl_ops::ops::mla_backward_padded_meta));
-}
-
-#ifdef VERL_OPS_WITH_CUDA
-TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
-  m.impl("mla_forward_padded", &verl_ops::ops::mla_forward_padded_cuda);
-  m.impl("mla_backward_padded", &verl_ops::ops::mla_backward_padded_cuda);
-}
-#endif
-// ---- end mla_forward_padded -----------------------------------------------------------------
 
 TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   m.impl("thd_layout", &verl_ops::ops::thd_layout);
@@ -74,6 +73,12 @@ TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cpu);
   m.impl("jagged_gather", &verl_ops::ops::jagged_gather_cpu);
   m.impl("jagged_scatter", &verl_ops::ops::jagged_scatter_cpu);
+  // router replay
+  m.impl("router_topk_record", &verl_ops::ops::router_topk_record_cpu);
+  m.impl("router_topk_scatter", &verl_ops::ops::router_topk_scatter_cpu);
+  // mla
+  m.impl("mla_forward_padded", &verl_ops::ops::mla_forward_padded_cpu);
+  m.impl("mla_backward_padded", &verl_ops::ops::mla_backward_padded_cpu);
 }
 
 TORCH_LIBRARY_IMPL(verl_ops, Meta, m) {
@@ -82,6 +87,12 @@ TORCH_LIBRARY_IMPL(verl_ops, Meta, m) {
   m.impl("postprocess_thd", TORCH_FN(verl_ops::ops::postprocess_thd_meta));
   m.impl("jagged_gather", TORCH_FN(verl_ops::ops::jagged_gather_meta));
   m.impl("jagged_scatter", TORCH_FN(verl_ops::ops::jagged_scatter_meta));
+  // router replay
+  m.impl("router_topk_record", TORCH_FN(verl_ops::ops::router_topk_record_meta));
+  m.impl("router_topk_scatter", TORCH_FN(verl_ops::ops::router_topk_scatter_meta));
+  // mla
+  m.impl("mla_forward_padded", TORCH_FN(verl_ops::ops::mla_forward_padded_meta));
+  m.impl("mla_backward_padded", TORCH_FN(verl_ops::ops::mla_backward_padded_meta));
 }
 
 #ifdef VERL_OPS_WITH_CUDA
@@ -90,5 +101,11 @@ TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cuda);
   m.impl("jagged_gather", &verl_ops::ops::jagged_gather_cuda);
   m.impl("jagged_scatter", &verl_ops::ops::jagged_scatter_cuda);
+  // router replay
+  m.impl("router_topk_record", &verl_ops::ops::router_topk_record_cuda);
+  m.impl("router_topk_scatter", &verl_ops::ops::router_topk_scatter_cuda);
+  // mla
+  m.impl("mla_forward_padded", &verl_ops::ops::mla_forward_padded_cuda);
+  m.impl("mla_backward_padded", &verl_ops::ops::mla_backward_padded_cuda);
 }
 #endif

@@ -12,6 +12,7 @@ from ._mla import mla_forward_padded
 from ._thd import postprocess_thd, preprocess_thd
 from .dynamic_cp import DynamicCPGroups, DynamicCPPlan, dynamic_cp_merge, dynamic_cp_split, plan_dynamic_cp
 from .layout import ThdLayout
+from .router import merge_router_topk, scatter_router_topk
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,8 @@ __all__ = [
     "plan_dynamic_cp",
     "dynamic_cp_split",
     "dynamic_cp_merge",
+    "merge_router_topk",
+    "scatter_router_topk",
     "mla_forward_padded",
     "cuda_available",
     "__version__",

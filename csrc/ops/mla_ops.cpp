@@ -152,6 +152,8 @@ MlaBackend resolve_mla_backend(const char* op, const std::string& backend, const
                        sym_true((s.batch * max_seqlen_kv).sym_eq(s.tk));
   const bool same_heads = sym_true(s.hq.sym_eq(s.hk));
   const bool mask_ok = !causal || sym_true(max_seqlen_q.sym_eq(max_seqlen_kv));
+  // cuDNN rejects s_q = s_kv = 1; a batch of single tokens is trivial for the padded path.
+  if (sym_true(max_seqlen_q.sym_le(1)) && sym_true(max_seqlen_kv.sym_le(1))) return MlaBackend::kPadded;
   if (backend == "native") {
     TORCH_CHECK(uniform, msg(op, "backend='native' needs a uniform batch (every sequence of length "
                                  "max_seqlen, i.e. B * max_seqlen_q == Tq and B * max_seqlen_kv == Tk); "

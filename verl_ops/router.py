@@ -1,0 +1,366 @@
+"""Router replay (R2/R3) on the model's own THD layout (OPS.md section 4).
+
+Megatron's MoE routers record, per layer, the top-k expert ids of the tokens this rank routed:
+``[T_local_sp, K]`` per layer, where ``T_local_sp = layout.local_rows / tp_size`` is this rank's
+sequence-parallel chunk of its CP rank's THD rows (Megatron splits the packed rows into
+``tp_size`` contiguous chunks, TP rank ``p`` holding chunk ``p``).
+
+* :func:`merge_router_topk` (record side, verl's ``merge_router_topk_indices``): gathers the
+  recorded indices over the TP (sequence-parallel) group and then the CP group and returns them
+  per sequence, ``[len_i, L, K]`` int16 (jagged) or ``[B, S, L, K]`` with zeros where the
+  attention mask is false.
+* :func:`scatter_router_topk` (replay side, verl's ``set_router_replay_data``): the inverse, from
+  ``[len_i, L, K]`` (or padded + mask) to this TP/CP rank's int64 targets ``[L, T_local_sp, K]``
+  (``targets[l]`` is layer ``l``'s ``[T_local_sp, K]``, a view, no copy), plus the per-token
+  replay mask packed the same way (False in padding rows).
+
+Both take the :class:`~verl_ops.ThdLayout` the model's forward packed the micro-batch with, so the
+routes always sit on the rows of the tokens they belong to (FP8 padding, CP layout, min_local_rows
+and length buckets included): build it once and hand the same object to the model path and here.
+
+Each direction is one kernel launch on the local data (plus the two all-gathers when
+``tp_size * cp_size > 1``): the record kernel reads the L layer tensors in place through a pointer
+table (any integer dtype, any strides; no ``torch.stack`` / ``permute`` / ``view`` copies) and,
+when nothing needs gathering (tp = cp = 1), writes the per-sequence result directly.
+
+Range check: expert ids are stored as int16. On CPU the record kernel raises at once on an id
+outside ``[-32768, 32767]``. On CUDA it raises a device flag instead of synchronising, and
+``merge_router_topk`` reads the flag where it reads the host anyway: with tp = cp = 1 once the
+result is enqueued (verl copies the result to the host next in any case); with tp * cp > 1 in the
+status exchange that precedes the gathers (below), so every rank raises together. With
+``validate=False`` (and under torch.compile or CUDA-graph capture) the flag is not read and such
+ids come out as -1.
+
+Collectives: with tp * cp > 1 and validation on, the ranks first exchange one small status vector
+(layout fingerprint, whether this rank's input failed its checks, int16 overflow) over the TP group
+and then over the CP group; every rank then raises if any rank failed, so a bad input on one rank
+is an error everywhere instead of a hang in the gathers. The gathers themselves are functional
+all-gathers of the int16 rows viewed as uint8 (NCCL has no int16), first over TP, then over CP.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._thd import _check_mask_lengths, _layout_on, _should_validate
+from .layout import ThdLayout
+
+_ops = torch.ops.verl_ops
+
+__all__ = ["merge_router_topk", "scatter_router_topk"]
+
+
+def _layer_list(op: str, indices):
+    """(list for the op, L, rows per layer, K, device) of a list of [T, K] or one [L, T, K]."""
+    if isinstance(indices, torch.Tensor):
+        if indices.is_nested or indices.dim() != 3:
+            raise ValueError(
+                f"{op}: indices must be a list of L tensors [T_local_sp, K] or one [L, T_local_sp, K] "
+                "tensor, "
+                f"got shape {tuple(indices.shape)}"
+            )
+        return [indices], indices.shape[0], indices.shape[1], indices.shape[2], indices.device
+    if not isinstance(indices, (list, tuple)) or len(indices) == 0:
+        raise ValueError(
+            f"{op}: indices must be a non-empty list of [T_local_sp, K] tensors, got {type(indices)}"
+        )
+    for i, t in enumerate(indices):
+        if not isinstance(t, torch.Tensor) or t.dim() != 2:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)
+            raise ValueError(f"{op}: indices[{i}] must be a [T_local_sp, K] tensor, got {shape}")
+    first = indices[0]
+    return list(indices), len(indices), first.shape[0], first.shape[1], first.device
+
+
+def _rows_per_tp_rank(op: str, layout: ThdLayout) -> int:
+    if layout.local_rows % layout.tp_size != 0:
+        raise ValueError(
+            f"{op}: local_rows={layout.local_rows} is not divisible by tp_size={layout.tp_size}; "
+            "Megatron's sequence-parallel split needs equal chunks"
+        )
+    return layout.local_rows // layout.tp_size
+
+
+def _check_group(op: str, name: str, group, size: int) -> None:
+    if group is None:
+        raise ValueError(
+            f"{op}: layout.{name}_size={size} needs {name}_group (the process group to gather over)"
+        )
+    if torch.compiler.is_compiling():
+        return
+    import torch.distributed as dist
+
+    world = dist.get_world_size(group)
+    if world != size:
+        raise ValueError(f"{op}: {name}_group has {world} ranks but layout.{name}_size is {size}")
+
+
+def _check_int_mask(op: str, name: str, mask, device) -> None:
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask)
+        raise ValueError(f"{op}: {name} must be a bool tensor, got {what}")
+    if mask.device != device:
+        raise ValueError(f"{op}: {name} is on {mask.device} but the routes are on {device}")
+
+
+def _exchange_device(group) -> torch.device:
+    import torch.distributed as dist
+
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(op: str, layout: ThdLayout, groups, overflow, error) -> None:
+    """One fixed-size all-gather per group, issued by every rank whatever its data; then every rank
+    raises if any rank of the TP x CP grid failed its input checks, holds a different layout, or
+    recorded an id outside the int16 range. A rank-local error therefore never leaves the other
+    ranks waiting in the gathers that follow."""
+    import torch.distributed as dist
+
+    from ._thd import _layout_fingerprint
+
+    device = _exchange_device(groups[0])
+    fp = torch.tensor(_layout_fingerprint(layout), dtype=torch.int64)
+    n = fp.numel()
+    flags = torch.tensor([1 if error is not None else 0, 0, 0], dtype=torch.int64)
+    payload = torch.cat([fp, flags]).to(device)
+    if overflow is not None:
+        payload[n + 2] = overflow.amax().to(device=device, dtype=torch.int64)
+    for group in groups:
+        world = dist.get_world_size(group)
+        out = torch.empty(world * payload.numel(), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(out, payload, group=group)
+        rows = out.view(world, -1)
+        mismatch = (rows[:, :n] != rows[0, :n]).any().to(torch.int64)
+        verdict = rows[:, n:].amax(dim=0)
+        verdict[1] = torch.maximum(verdict[1], mismatch)
+        # The next group sees this group's verdict: over TP then CP every rank learns about all.
+        payload = torch.cat([payload[:n], verdict])
+    failed, mismatch, over = payload[n:].tolist()  # the one host read of the checks
+    if error is not None:
+        raise error
+    if failed:
+        raise RuntimeError(f"{op}: another rank's input failed its checks (see that rank's error)")
+    if mismatch:
+        raise RuntimeError(
+            f"{op}: TP/CP ranks disagree on the THD layout (every rank must pass the same layout)"
+        )
+    if over:
+        raise RuntimeError(
+            f"{op}: indices hold values outside the int16 range [-32768, 32767] on this or another rank; "
+            "router replay stores expert ids as int16"
+        )
+
+
+def merge_router_topk(
+    indices,
+    layout: ThdLayout,
+    *,
+    tp_group=None,
+    cp_group=None,
+    attention_mask: torch.Tensor | None = None,
+    as_nested: bool = True,
+    validate: bool | None = None,
+) -> torch.Tensor:
+    """Gather the recorded router top-k indices of every rank and return them per sequence.
+
+    Args:
+        indices: this rank's recorded indices, a list of L tensors ``[T_local_sp, K]`` (one per MoE
+            layer, as ``RouterReplay.recorded_topk_idx``) or one ``[L, T_local_sp, K]`` tensor; any
+            integer dtype, any strides. ``T_local_sp = layout.local_rows // layout.tp_size``.
+        layout: the micro-batch's :class:`ThdLayout` (the model's; ``layout.tp_size`` is the
+            sequence-parallel size, ``layout.cp_size`` the CP size).
+        tp_group: the tensor-parallel process group (needed when ``layout.tp_size > 1``); ranks are
+            gathered in group order, as Megatron's ``gather_from_sequence_parallel_region``.
+        cp_group: the context-parallel group (needed when ``layout.cp_size > 1``).
+        attention_mask: bool ``[B, S]``: return padded ``[B, S, L, K]`` (zeros where it is false).
+        as_nested: without a mask, return a jagged nested tensor ``[B, j, L, K]`` (default) or its
+            values ``[total_tokens, L, K]``.
+        validate: check the mask against the layout, the layouts across ranks and the int16 range
+            on CUDA (host reads). Default: on, except under torch.compile / CUDA-graph capture.
+
+    Returns:
+        int16 routes of every valid token, identical on every rank of the TP and CP groups.
+
+    Every rank of both groups must call this with the same layout. With validation, the ranks
+    first exchange one small status vector (layout fingerprint, input-check failure, int16
+    overflow) over the TP group and then the CP group, so a bad input on one rank raises on every
+    rank instead of leaving the others waiting in the gathers.
+    """
+    op = "merge_router_topk"
+    if not isinstance(layout, ThdLayout):
+        raise TypeError(f"{op}: layout must be a verl_ops.ThdLayout, got {type(layout)}")
+    tp, cp = layout.tp_size, layout.cp_size
+    if tp > 1:
+        _check_group(op, "tp", tp_group, tp)
+    if cp > 1:
+        _check_group(op, "cp", cp_group, cp)
+    multi = tp > 1 or cp > 1
+    exchange = multi and validate is not False and not torch.compiler.is_compiling()
+    if exchange and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        exchange = False
+    error = overflow = None
+    try:
+        layer_list, num_layers, rows, topk, device = _layer_list(op, indices)
+        layout = _layout_on(op, layout, layer_list[0])
+        rows_sp = _rows_per_tp_rank(op, layout)
+        if rows != rows_sp:
+            raise ValueError(
+                f"{op}: indices hold {rows} rows per layer but the layout gives this rank "
+                f"local_rows / tp_size = {layout.local_rows} / {layout.tp_size} = {rows_sp}"
+            )
+        if attention_mask is not None:
+            _check_mask_lengths(op, attention_mask, layout, validate)
+        if multi:
+            local, overflow = _ops.router_topk_record(layer_list)
+    except (ValueError, RuntimeError) as e:
+        if not exchange:
+            raise
+        error = e
+    if exchange:
+        _agree(op, layout, [g for g, size in ((tp_group, tp), (cp_group, cp)) if size > 1], overflow, error)
+    if not multi:
+        routes, overflow = _ops.router_topk_record(
+            layer_list, layout.cu_seqlens, layout.cu_seqlens_padded, layout.total_tokens, attention_mask
+        )
+        if _should_validate(validate, overflow) and overflow.is_cuda and bool(overflow.any()):
+            raise RuntimeError(
+                f"{op}: indices hold values outside the int16 range [-32768, 32767]; router replay stores "
+                "expert ids as int16"
+            )
+    else:
+        import torch.distributed._functional_collectives as funcol
+
+        # Collectives move bytes: NCCL has no int16 (and gloo needs none); the uint8 view is free.
+        shard = local.view(torch.uint8)
+        if tp > 1:
+            shard = funcol.all_gather_tensor(shard, gather_dim=0, group=tp_group)
+        if cp > 1:
+            shard = funcol.all_gather_tensor(shard, gather_dim=0, group=cp_group)
+            shard = shard.view(cp, layout.local_rows, num_layers, 2 * topk)
+        routes = _ops.postprocess_thd(
+            shard,
+            layout.cu_seqlens,
+            layout.cu_seqlens_padded,
+            layout.total_tokens,
+            cp,
+            -1 if cp > 1 else 0,
+            layout.cp_layout,
+            False,
+            attention_mask,
+        ).view(torch.int16)
+    if attention_mask is not None or not as_nested:
+        return routes
+    return torch.nested.nested_tensor_from_jagged(
+        routes,
+        offsets=layout.cu_seqlens.to(torch.int64),
+        min_seqlen=layout.min_seqlen_unpadded,
+        max_seqlen=layout.max_seqlen_unpadded,
+    )
+
+
+def _jagged_values(op: str, name: str, x: torch.Tensor, layout: ThdLayout, validate, feature_dims: int):
+    """values of a jagged nested tensor (offsets checked against the layout) or of a plain tensor."""
+    if x.is_nested:
+        if torch.compiler.is_compiling():
+            offsets, values = x.offsets(), x.values()
+        else:
+            if x.layout != torch.jagged or getattr(x, "_lengths", None) is not None:
+                raise ValueError(
+                    f"{op}: {name} must be a contiguous jagged nested tensor (layout=torch.jagged)"
+                )
+            offsets, values = x._offsets, x._values
+        if offsets.shape[0] - 1 != layout.batch_size:
+            raise ValueError(
+                f"{op}: {name} has {offsets.shape[0] - 1} sequences but the layout has {layout.batch_size}"
+            )
+        if (
+            offsets is not layout.source_offsets
+            and _should_validate(validate, values)
+            and not torch.equal(
+                offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64)
+            )
+        ):
+            raise ValueError(f"{op}: {name}'s offsets do not match the layout's cu_seqlens")
+    else:
+        values = x
+    if values.dim() != 1 + feature_dims or values.shape[0] != layout.total_tokens:
+        want = "[total_tokens, L, K]" if feature_dims == 2 else "[total_tokens]"
+        raise ValueError(
+            f"{op}: {name} must be {want} with total_tokens={layout.total_tokens} (the layout's), "
+            f"got {tuple(values.shape)}"
+        )
+    return values
+
+
+def scatter_router_topk(
+    routes: torch.Tensor,
+    layout: ThdLayout,
+    *,
+    tp_rank: int = 0,
+    cp_rank: int = 0,
+    attention_mask: torch.Tensor | None = None,
+    replay_mask: torch.Tensor | None = None,
+    validate: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's replay targets from per-sequence routes (inverse of :func:`merge_router_topk`).
+
+    Args:
+        routes: jagged nested ``[B, j, L, K]``, its values ``[total_tokens, L, K]``, or (with
+            ``attention_mask``) padded ``[B, S, L, K]``; any integer dtype (int16 as recorded).
+        layout: the micro-batch's :class:`ThdLayout` (the model's).
+        tp_rank, cp_rank: this rank in the TP and CP groups.
+        attention_mask: bool ``[B, S]`` for padded routes; valid tokens are ``routes[i, mask[i]]``.
+        replay_mask: optional per-token bool flags (True: replay the recorded route, False: keep the
+            router's own choice), in the same form as ``routes`` (nested ``[B, j]``, values
+            ``[total_tokens]`` or padded ``[B, S]``).
+        validate: compare nested offsets / mask row counts with the layout (host reads).
+
+    Returns:
+        ``(targets, replay_mask_packed)``: int64 ``[L, T_local_sp, K]`` (``targets[l]`` is layer
+        ``l``'s ``[T_local_sp, K]``; zero in padding rows), and bool ``[T_local_sp]`` (False in
+        padding rows) or None without ``replay_mask``.
+    """
+    op = "scatter_router_topk"
+    if not isinstance(routes, torch.Tensor):
+        raise ValueError(f"{op}: routes must be a tensor, got {type(routes)}")
+    layout = _layout_on(op, layout, routes)
+    for name, v, size in (("tp_rank", tp_rank, layout.tp_size), ("cp_rank", cp_rank, layout.cp_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < size:
+            raise ValueError(f"{op}: {name} must be an int in [0, {size}), got {v!r}")
+    _rows_per_tp_rank(op, layout)
+    if attention_mask is not None:
+        if routes.is_nested or routes.dim() != 4 or tuple(routes.shape[:2]) != tuple(attention_mask.shape):
+            raise ValueError(
+                f"{op}: padded routes must be [B, S, L, K] matching attention_mask "
+                f"{tuple(attention_mask.shape)}, got {tuple(routes.shape)}"
+            )
+        _check_mask_lengths(op, attention_mask, layout, validate)
+        values = routes
+        if replay_mask is not None:
+            _check_int_mask(op, "replay_mask", replay_mask, routes.device)
+            if replay_mask.is_nested or tuple(replay_mask.shape) != tuple(attention_mask.shape):
+                raise ValueError(
+                    f"{op}: with padded routes, replay_mask must be [B, S] like attention_mask, "
+                    f"got {tuple(replay_mask.shape)}"
+                )
+    else:
+        values = _jagged_values(op, "routes", routes, layout, validate, 2)
+        if replay_mask is not None:
+            _check_int_mask(op, "replay_mask", replay_mask, routes.device)
+            replay_mask = _jagged_values(op, "replay_mask", replay_mask, layout, validate, 0)
+    targets, packed_mask = _ops.router_topk_scatter(
+        values,
+        layout.cu_seqlens,
+        layout.cu_seqlens_padded,
+        layout.local_rows,
+        layout.tp_size,
+        tp_rank,
+        layout.cp_size,
+        cp_rank,
+        layout.cp_layout,
+        attention_mask,
+        replay_mask,
+    )
+    return targets, (packed_mask if replay_mask is not None else None)
