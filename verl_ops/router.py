@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from ._thd import _check_mask_lengths, _layout_on, _should_validate
+from ._thd import _check_mask_lengths, _offsets_on, _should_validate
 from .layout import ThdLayout
 
 _ops = torch.ops.verl_ops
@@ -203,7 +203,7 @@ def merge_router_topk(
     error = overflow = None
     try:
         layer_list, num_layers, rows, topk, device = _layer_list(op, indices)
-        layout = _layout_on(op, layout, layer_list[0])
+        cu, cu_padded = _offsets_on(op, layout, layer_list[0])
         rows_sp = _rows_per_tp_rank(op, layout)
         if rows != rows_sp:
             raise ValueError(
@@ -222,7 +222,7 @@ def merge_router_topk(
         _agree(op, layout, [g for g, size in ((tp_group, tp), (cp_group, cp)) if size > 1], overflow, error)
     if not multi:
         routes, overflow = _ops.router_topk_record(
-            layer_list, layout.cu_seqlens, layout.cu_seqlens_padded, layout.total_tokens, attention_mask
+            layer_list, cu, cu_padded, layout.total_tokens, attention_mask
         )
         if _should_validate(validate, overflow) and overflow.is_cuda and bool(overflow.any()):
             raise RuntimeError(
@@ -241,8 +241,8 @@ def merge_router_topk(
             shard = shard.view(cp, layout.local_rows, num_layers, 2 * topk)
         routes = _ops.postprocess_thd(
             shard,
-            layout.cu_seqlens,
-            layout.cu_seqlens_padded,
+            cu,
+            cu_padded,
             layout.total_tokens,
             cp,
             -1 if cp > 1 else 0,
@@ -254,7 +254,7 @@ def merge_router_topk(
         return routes
     return torch.nested.nested_tensor_from_jagged(
         routes,
-        offsets=layout.cu_seqlens.to(torch.int64),
+        offsets=cu.to(torch.int64),
         min_seqlen=layout.min_seqlen_unpadded,
         max_seqlen=layout.max_seqlen_unpadded,
     )
@@ -325,7 +325,7 @@ def scatter_router_topk(
     op = "scatter_router_topk"
     if not isinstance(routes, torch.Tensor):
         raise ValueError(f"{op}: routes must be a tensor, got {type(routes)}")
-    layout = _layout_on(op, layout, routes)
+    cu, cu_padded = _offsets_on(op, layout, routes)
     for name, v, size in (("tp_rank", tp_rank, layout.tp_size), ("cp_rank", cp_rank, layout.cp_size)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < size:
             raise ValueError(f"{op}: {name} must be an int in [0, {size}), got {v!r}")
@@ -352,8 +352,8 @@ def scatter_router_topk(
             replay_mask = _jagged_values(op, "replay_mask", replay_mask, layout, validate, 0)
     targets, packed_mask = _ops.router_topk_scatter(
         values,
-        layout.cu_seqlens,
-        layout.cu_seqlens_padded,
+        cu,
+        cu_padded,
         layout.local_rows,
         layout.tp_size,
         tp_rank,
