@@ -2,13 +2,19 @@
 //
 // Both kernels work on tiles of consecutive output rows, like the THD row kernels: the rows of
 // a tile are resolved once into shared memory (core/router_rows.h, the same functions the CPU
-// loops call), then the block walks the tile's (row, layer) items. An item moves the K indices
-// of one token in one layer; with K % 8 == 0 and aligned data it moves them as 16-byte vectors.
+// loops call). An item moves 8 indices of one token in one layer (K % 8 == 0, aligned data).
+//
+// The two sides of each op are laid out differently ([T, K] per layer vs [T, L, K]), so a tile
+// goes through shared memory: it is read in the order that makes the reads contiguous and written
+// in the order that makes the writes contiguous (a transpose of (row, layer)). Reading 64-byte
+// pieces scattered over 48 layers, or 16-byte pieces 768 bytes apart, runs at half the copy
+// bandwidth or less; staged, both sides are full-warp contiguous runs. The stage rows are padded
+// by 16 bytes so that the transposed accesses hit distinct banks.
 //
 // Record reads the L layer tensors through a pointer table (a kernel argument, staged in shared
-// memory so that lanes reading different layers do not serialise on the constant bank). Items
-// run layer-fastest, so the int16 output is written as one contiguous run per tile. Replay runs
-// row-fastest, so each layer's int64 targets (the larger side) are written contiguously.
+// memory so that lanes reading different layers do not serialise on the constant bank).
+// Shapes that do not fit the staged path (K % 8 != 0, odd strides or alignment, a stage row over
+// the shared-memory budget) take a plain per-item loop.
 #include "router_kernels.h"
 
 #include <algorithm>
@@ -20,6 +26,14 @@ namespace {
 
 constexpr int kBlock = 256;
 constexpr int kMaxLayersPerLaunch = 128;
+// Shared memory for one tile's stage (dynamic; under the 48 KB default, 5 blocks per SM).
+constexpr int64_t kStageBytes = 40 * 1024;
+
+// Rows per staged tile for stage rows of `pitch_bytes`, or 0 when one row does not fit.
+int32_t staged_tile_rows(int64_t pitch_bytes) {
+  if (pitch_bytes > kStageBytes) return 0;
+  return static_cast<int32_t>(std::min<int64_t>(kBlock, kStageBytes / pitch_bytes));
+}
 
 struct LayerTable {
   const void* ptr[kMaxLayersPerLaunch];
@@ -64,6 +78,7 @@ __global__ void __launch_bounds__(kBlock)
     record_kernel(core::RouterRecordPlan plan, LayerTable table, int32_t nl, int32_t layer0,
                   int32_t num_layers, int32_t topk, int16_t* __restrict__ out, int64_t rows,
                   int32_t tile_rows, bool vec, int32_t* __restrict__ flags, int32_t slots) {
+  extern __shared__ uint4 stage[];  // vector path: tile_rows x (nl * K / 8 + 1) 16-byte units
   __shared__ int64_t tile_src[kBlock];
   __shared__ const T* s_ptr[kMaxLayersPerLaunch];
   __shared__ int64_t s_row_stride[kMaxLayersPerLaunch];
@@ -83,31 +98,34 @@ __global__ void __launch_bounds__(kBlock)
     __syncthreads();
     const int32_t items = n * nl;
     if (vec) {
-      // Unit u: item j = u / kc (layer-fastest over the tile's rows), 8-index chunk c = u % kc.
-      const int32_t units = items * kc;
-      auto locate = [&](int32_t u, const T** src, int16_t** dst) {
-        const int32_t j = u / kc;
-        const int32_t c = u - j * kc;
-        const int32_t r = j / nl;
-        const int32_t l = j - r * nl;
+      // Read: unit u = (layer l, chunk c, row r), row-fastest, so a warp reads consecutive rows of
+      // one layer. Stage: int16 [n][pitch] in 16-byte units. Write: the tile's output rows in order.
+      const int32_t row_units = nl * kc;
+      const int32_t pitch = row_units + 1;
+      const int32_t units = n * row_units;
+      auto locate = [&](int32_t u, const T** src, int32_t* slot) {
+        const int32_t r = u % n;
+        const int32_t j = u / n;
+        const int32_t l = j / kc;
+        const int32_t c = j - l * kc;
         const int64_t sr = tile_src[r];
-        *dst = out + ((row0 + r) * num_layers + layer0 + l) * topk + c * 8;
+        *slot = r * pitch + j;
         *src = sr >= 0 ? s_ptr[l] + sr * s_row_stride[l] + c * 8 : nullptr;
       };
-      auto store = [&](int16_t* dst, const T* v) {
+      auto convert = [&](const T* v) {
         alignas(16) int16_t o[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) o[i] = to_int16(v[i], &bad);
-        *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(o);
+        return *reinterpret_cast<const uint4*>(o);
       };
       int32_t u = threadIdx.x;
       for (; u + (kUnroll - 1) * kBlock < units; u += kUnroll * kBlock) {
         alignas(16) T v[kUnroll][8];
-        int16_t* dst[kUnroll];
+        int32_t slot[kUnroll];
 #pragma unroll
         for (int q = 0; q < kUnroll; ++q) {
           const T* src;
-          locate(u + q * kBlock, &src, &dst[q]);
+          locate(u + q * kBlock, &src, &slot[q]);
           if (src != nullptr) {
             load8(src, v[q]);
           } else {
@@ -115,19 +133,26 @@ __global__ void __launch_bounds__(kBlock)
           }
         }
 #pragma unroll
-        for (int q = 0; q < kUnroll; ++q) store(dst[q], v[q]);
+        for (int q = 0; q < kUnroll; ++q) stage[slot[q]] = convert(v[q]);
       }
       for (; u < units; u += kBlock) {
         alignas(16) T v[8];
         const T* src;
-        int16_t* dst;
-        locate(u, &src, &dst);
+        int32_t slot;
+        locate(u, &src, &slot);
         if (src != nullptr) {
           load8(src, v);
         } else {
           zero8(v);
         }
-        store(dst, v);
+        stage[slot] = convert(v);
+      }
+      __syncthreads();
+      for (int32_t w = threadIdx.x; w < units; w += kBlock) {
+        const int32_t r = w / row_units;
+        const int32_t x = w - r * row_units;
+        uint4* dst = reinterpret_cast<uint4*>(out + ((row0 + r) * num_layers + layer0) * topk) + x;
+        *dst = stage[r * pitch + x];
       }
     } else {
       for (int32_t j = threadIdx.x; j < items; j += kBlock) {
@@ -159,6 +184,7 @@ __global__ void __launch_bounds__(kBlock)
     scatter_kernel(core::RouterScatterPlan plan, const T* __restrict__ routes, int32_t num_layers,
                    int32_t topk, const bool* __restrict__ replay_in, int64_t* __restrict__ targets,
                    bool* __restrict__ replay_out, int64_t rows, int32_t tile_rows, bool vec) {
+  extern __shared__ uint4 stage[];  // vector path: tile_rows x (L * K * sizeof(T) / 16 + 1) vectors
   __shared__ int64_t tile_src[kBlock];
   const int32_t kc = topk >> 3;
   const int64_t num_tiles = (rows + tile_rows - 1) / tile_rows;
@@ -173,32 +199,34 @@ __global__ void __launch_bounds__(kBlock)
     __syncthreads();
     const int32_t items = n * num_layers;
     if (vec) {
-      // Unit u: item j = u / kc (row-fastest within each layer), 8-index chunk c = u % kc.
-      const int32_t units = items * kc;
-      auto locate = [&](int32_t u, const T** src, int64_t** dst) {
-        const int32_t j = u / kc;
-        const int32_t c = u - j * kc;
-        const int32_t l = j / n;
-        const int32_t r = j - l * n;
-        const int64_t sr = tile_src[r];
-        *dst = targets + (static_cast<int64_t>(l) * rows + row0 + r) * topk + c * 8;
-        *src = sr >= 0 ? routes + (sr * num_layers + l) * topk + c * 8 : nullptr;
-      };
-      auto store = [&](int64_t* dst, const T* v) {
-        alignas(16) int64_t o[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) o[i] = static_cast<int64_t>(v[i]);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(o)[i];
-      };
+      // Read: the tile's source rows whole (row-major [L * K], contiguous per row). Stage: T
+      // [n][pitch] in 8-index units of kUnitBytes, rows padded by 16 bytes. Write: layer-major,
+      // so a warp writes consecutive rows of one layer's int64 targets.
+      constexpr int32_t kUnitVecs = static_cast<int32_t>(sizeof(T)) / 2;  // 16-byte vectors per unit
+      const int32_t row_units = num_layers * kc;
+      const int32_t pitch_vecs = row_units * kUnitVecs + 1;
+      const int32_t units = n * row_units;
+      const int64_t src_row_units = static_cast<int64_t>(num_layers) * kc;
       int32_t u = threadIdx.x;
+      auto locate = [&](int32_t uu, const T** src, int32_t* slot) {
+        const int32_t r = uu / row_units;
+        const int32_t x = uu - r * row_units;
+        const int64_t sr = tile_src[r];
+        *slot = r * pitch_vecs + x * kUnitVecs;
+        *src = sr >= 0 ? routes + (sr * src_row_units + x) * 8 : nullptr;
+      };
+      auto put = [&](int32_t slot, const T* v) {
+        const uint4* pv = reinterpret_cast<const uint4*>(v);
+#pragma unroll
+        for (int i = 0; i < kUnitVecs; ++i) stage[slot + i] = pv[i];
+      };
       for (; u + (kUnroll - 1) * kBlock < units; u += kUnroll * kBlock) {
         alignas(16) T v[kUnroll][8];
-        int64_t* dst[kUnroll];
+        int32_t slot[kUnroll];
 #pragma unroll
         for (int q = 0; q < kUnroll; ++q) {
           const T* src;
-          locate(u + q * kBlock, &src, &dst[q]);
+          locate(u + q * kBlock, &src, &slot[q]);
           if (src != nullptr) {
             load8(src, v[q]);
           } else {
@@ -206,19 +234,37 @@ __global__ void __launch_bounds__(kBlock)
           }
         }
 #pragma unroll
-        for (int q = 0; q < kUnroll; ++q) store(dst[q], v[q]);
+        for (int q = 0; q < kUnroll; ++q) put(slot[q], v[q]);
       }
       for (; u < units; u += kBlock) {
         alignas(16) T v[8];
         const T* src;
-        int64_t* dst;
-        locate(u, &src, &dst);
+        int32_t slot;
+        locate(u, &src, &slot);
         if (src != nullptr) {
           load8(src, v);
         } else {
           zero8(v);
         }
-        store(dst, v);
+        put(slot, v);
+      }
+      __syncthreads();
+      // Each thread stores one 16-byte vector (two int64 targets), so every store instruction
+      // of a warp covers 512 contiguous bytes: whole sectors, no partial writes.
+      const T* st = reinterpret_cast<const T*>(stage);
+      const int32_t pitch_elems = pitch_vecs * static_cast<int32_t>(16 / sizeof(T));
+      const int32_t layer_vecs = n * topk / 2;
+      const int32_t total_vecs = num_layers * layer_vecs;
+      for (int32_t w = threadIdx.x; w < total_vecs; w += kBlock) {
+        const int32_t l = w / layer_vecs;
+        const int32_t e = (w - l * layer_vecs) * 2;  // element of this layer's [n, K] block
+        const int32_t r = e / topk;
+        const int32_t k = e - r * topk;  // even, and k + 1 < K (K % 8 == 0)
+        const T* sv = st + r * pitch_elems + l * topk + k;
+        longlong2 o;
+        o.x = static_cast<long long>(sv[0]);
+        o.y = static_cast<long long>(sv[1]);
+        *reinterpret_cast<longlong2*>(targets + (static_cast<int64_t>(l) * rows + row0) * topk + e) = o;
       }
     } else {
       for (int32_t j = threadIdx.x; j < items; j += kBlock) {
@@ -269,10 +315,14 @@ cudaError_t record_with(const core::RouterRecordPlan& plan, const core::LayerSli
     // This launch's flag slots; the last launch also covers the remainder.
     const int64_t slot0 = c * per_chunk;
     const int64_t slots = (c + 1 == chunks) ? core::kOverflowSlots - slot0 : per_chunk;
-    const int32_t tile_rows = static_cast<int32_t>(std::clamp<int64_t>(kBlock * 4 / nl, 1, kBlock));
+    const int64_t pitch_bytes = (static_cast<int64_t>(nl) * (topk / 8) + 1) * 16;
+    int32_t tile_rows = vec ? staged_tile_rows(pitch_bytes) : 0;
+    vec = tile_rows > 0;
+    if (!vec) tile_rows = static_cast<int32_t>(std::clamp<int64_t>(kBlock * 4 / nl, 1, kBlock));
+    const size_t smem = vec ? static_cast<size_t>(tile_rows * pitch_bytes) : 0;
     const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
     const int64_t grid = std::min<int64_t>(grid_for(tiles), slots);
-    record_kernel<T><<<static_cast<unsigned>(grid), kBlock, 0, stream>>>(
+    record_kernel<T><<<static_cast<unsigned>(grid), kBlock, smem, stream>>>(
         plan, table, nl, static_cast<int32_t>(layer0), static_cast<int32_t>(num_layers),
         static_cast<int32_t>(topk), out, rows, tile_rows, vec, overflow + slot0, static_cast<int32_t>(slots));
     const cudaError_t err = cudaGetLastError();
@@ -286,11 +336,16 @@ cudaError_t scatter_with(const core::RouterScatterPlan& plan, const void* routes
                          int64_t num_layers, int64_t topk, const bool* replay_in,
                          int64_t* targets, bool* replay_out, int64_t rows, cudaStream_t stream) {
   const int64_t vec_align = std::min<int64_t>(16, 8 * static_cast<int64_t>(sizeof(T)));
-  const bool vec = topk % 8 == 0 && aligned(routes, vec_align) && aligned(targets, 16);
-  // At least 32 rows per tile keeps each layer's writes in runs of >= 32 * K * 8 bytes.
-  const int32_t tile_rows = static_cast<int32_t>(std::clamp<int64_t>(kBlock * 8 / std::max<int64_t>(num_layers, 1), 32, kBlock));
+  // The staged path moves 8-index units of whole 16-byte vectors: 2-byte and wider indices.
+  bool vec = sizeof(T) >= 2 && topk % 8 == 0 && aligned(routes, vec_align) && aligned(targets, 16);
+  const int64_t pitch_bytes = num_layers * (topk / 8) * 8 * static_cast<int64_t>(sizeof(T)) + 16;
+  int32_t tile_rows = vec ? staged_tile_rows(pitch_bytes) : 0;
+  vec = tile_rows > 0;
+  // Unstaged: at least 32 rows per tile keeps each layer's writes in runs of >= 32 * K * 8 bytes.
+  if (!vec) tile_rows = static_cast<int32_t>(std::clamp<int64_t>(kBlock * 8 / std::max<int64_t>(num_layers, 1), 32, kBlock));
+  const size_t smem = vec ? static_cast<size_t>(tile_rows * pitch_bytes) : 0;
   const int64_t tiles = (rows + tile_rows - 1) / tile_rows;
-  scatter_kernel<T><<<static_cast<unsigned>(grid_for(tiles)), kBlock, 0, stream>>>(
+  scatter_kernel<T><<<static_cast<unsigned>(grid_for(tiles)), kBlock, smem, stream>>>(
       plan, static_cast<const T*>(routes), static_cast<int32_t>(num_layers),
       static_cast<int32_t>(topk), replay_in, targets, replay_out, rows, tile_rows, vec);
   return cudaGetLastError();
