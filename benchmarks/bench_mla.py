@@ -231,13 +231,66 @@ def summary(results):
     return lines
 
 
+PLOT_METHODS = ("megatron path", "ours padded", "ours native", "ours auto", "sdpa cudnn", "aten efficient")
+
+
+def plot(results, floor, path):
+    """Grouped bars: forward and forward+backward TFLOP/s per shape and method, floor as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.8), sharey=True)
+    shapes = [shape for shape, _ in results]
+    width = 0.8 / len(PLOT_METHODS)
+    for ax, key, title in ((axes[0], "fwd_tflops", "forward"), (axes[1], "all_tflops", "forward + backward")):
+        for i, m in enumerate(PLOT_METHODS):
+            vals = []
+            for _, rows in results:
+                row = next((r for r in rows if r["method"] == m), {})
+                vals.append(row.get(key, 0.0))
+            ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=m)
+        ax.axhline(floor, color="k", linestyle="--", linewidth=1, label=f"bf16 matmul floor {floor:.0f}")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
+        ax.set_title(f"mla_forward_padded {title}, causal 192/128 bf16")
+        ax.set_ylabel("TFLOP/s")
+    axes[1].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def parse_markdown(path):
+    """(results, floor) from a markdown section this script wrote (to re-plot saved numbers)."""
+    results, floor = [], None
+    for line in open(path):
+        if "matmul floor" in line:
+            floor = float(line.split(":")[-1].split()[0])
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) != 7 or not cells[0][:1].isdigit() or "error" in cells[2]:
+            continue
+        row = {"method": cells[1], "fwd_tflops": float(cells[3].split()[0])}
+        if cells[5][:1].isdigit():
+            row["all_tflops"] = float(cells[5].split()[0])
+        if not results or results[-1][0] != cells[0]:
+            results.append((cells[0], []))
+        results[-1][1].append(row)
+    return results, floor
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="two small shapes, few repeats")
     p.add_argument("--reps", type=int, default=None, help="timed repeats per method (default 30; quick 5)")
     p.add_argument("--out", default=None, help="write a markdown section here")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
+    p.add_argument("--replot", default=None, help="only re-plot a markdown section written by --out")
     args = p.parse_args(argv)
+    if args.replot:
+        results, floor = parse_markdown(args.replot)
+        plot(results, floor, args.plot or "mla.png")
+        return 0
     if not torch.cuda.is_available():
         print("bench_mla: needs a CUDA device")
         return 1
@@ -268,6 +321,8 @@ def main(argv=None):
                 for r in rows:
                     f.write(fmt_row(shape, r, floor) + "\n")
             f.write("\n" + "\n".join(lines) + "\n")
+    if args.plot:
+        plot(results, floor, args.plot)
     return 0
 
 
