@@ -207,3 +207,20 @@ def test_cuda_matches_cpu_large(rng):
         assert torch.equal(gpu.cpu(), cpu)
         back = verl_ops.jagged_scatter(gpu, src.cuda(), cu.cuda(), values.shape[0], validate=False)
         assert torch.equal(back.cpu(), verl_ops.jagged_scatter(cpu, src, cu, values.shape[0]))
+
+
+def test_gather_gradient_with_repeated_spans(device, rng):
+    """A span gathered twice receives the sum of both gradients (reference: autograd of a plain
+    per-sequence cat)."""
+    lengths, sel = random_selection(rng, 4, 7, distinct=False)
+    sel[1] = sel[0]  # at least one repeat
+    lengths[sel[0]] = max(lengths[sel[0]], 2)
+    src, cu, total = indices(lengths, sel, device)
+    x = torch.randn(sum(lengths), 3, device=device, dtype=torch.float64, requires_grad=True)
+    y = torch.randn(total, 3, device=device, dtype=torch.float64)
+    (verl_ops.jagged_gather(x, src, cu, total) * y).sum().backward()
+    starts = [sum(lengths[:i]) for i in range(len(lengths))]
+    x2 = x.detach().clone().requires_grad_(True)
+    ref = torch.cat([x2[starts[i] : starts[i] + lengths[i]] for i in sel]) if sel else x2[:0]
+    (ref * y).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad)

@@ -140,6 +140,20 @@ def test_patch_leaves_dsa_and_bshd_alone(monkeypatch):
     assert len(plain.core_attention.calls) == 1
 
 
+def test_fallback_pads_v_like_verl(monkeypatch):
+    """Calls the op does not take (here another attention variant) reach Megatron's core attention
+    with V zero-padded to the query head dim and the output trimmed back, as verl's patch does."""
+    _, MLA = _install(monkeypatch, "0.16.1")
+    monkeypatch.setattr(MLA, "forward", MLA.forward)
+    mm.apply_patch()
+    c = make_case([3, 4], dqk=24, dv=16)
+    other = MLA(SimpleNamespace(experimental_attention_variant="dsv4_hybrid"))
+    out = other(c["q"], c["k"], c["v"], packed_seq_params=_thd_params(c))
+    assert len(other.core_attention.calls) == 1
+    assert other.core_attention.calls[0]["value_dim"] == 24  # padded to Dqk
+    assert torch.equal(out, torch.full((7, 1, 2 * 16), 7.0))  # trimmed back to Dv per head
+
+
 def test_no_patch_from_0_16_2(monkeypatch):
     _, MLA = _install(monkeypatch, "0.16.2")
     before = MLA.forward

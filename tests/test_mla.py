@@ -203,8 +203,44 @@ def test_grad_v_is_view_of_padded_rows():
     args = (torch.ones_like(out), c["q"], c["k"], c["v"], out.detach(), lse, c["cu_q"], c["cu_kv"], 5, 5)
     _, _, dv = OPS.mla_backward_padded(*args, True, None, "padded")
     assert dv.shape == (8, 2, 16) and dv.stride() == (2 * 24, 24, 1)
-    _, _, dv_native = OPS.mla_backward_padded(*args, True, None, "auto")
-    assert dv_native.stride() == dv.stride()
+    _, _, dv_auto = OPS.mla_backward_padded(*args, True, None, "auto")
+    assert dv_auto.stride() == dv.stride()  # auto is padded at this size
+    u = make_case([4, 4], hq=2, hk=2, dqk=24, dv=16, seed=4)
+    out_u, _ = run(u, backend="native")
+    args_u = (torch.ones_like(out_u), u["q"], u["k"], u["v"], out_u.detach(), torch.zeros(2, 8), u["cu_q"], u["cu_kv"], 4, 4)
+    _, _, dv_native = OPS.mla_backward_padded(*args_u, True, None, "native")
+    assert dv_native.shape == (8, 2, 16) and dv_native.is_contiguous()
+
+
+def test_native_backend_ragged_self_attention():
+    """Ragged batches go native for causal self-attention sharing one offsets tensor (CPU: the
+    exact reference in the native layout)."""
+    c = make_case([4, 3, 7], hq=2, hk=2, dqk=24, dv=16, seed=1)
+    c["cu_kv"] = c["cu_q"]
+    out, _ = run(c, backend="native")
+    assert out.is_contiguous()
+    assert rel_err(out, ref_attention(c["q"], c["k"], c["v"], c["cu_q"], c["cu_q"])) < 1e-5
+    with pytest.raises(RuntimeError, match="needs a uniform batch"):
+        run(c, backend="native", causal=False)
+    c["cu_kv"] = c["cu_q"].clone()  # equal values, but not one tensor: not known without a read
+    with pytest.raises(RuntimeError, match="needs a uniform batch"):
+        run(c, backend="native")
+
+
+@pytest.mark.parametrize(
+    "lengths, native",
+    [([1024] * 31 + [800], True), ([2048] * 15 + [1024], True), ([2048] * 4 + [200] * 4, False)],
+)
+def test_auto_backend_ragged(lengths, native):
+    """auto goes native for ragged causal self-attention when the batch is at least 3/4 full."""
+    t, s = sum(lengths), max(lengths)
+    q = torch.empty(t, 16, 192, device="meta", dtype=torch.bfloat16)
+    v = torch.empty(t, 16, 128, device="meta", dtype=torch.bfloat16)
+    cu = torch.empty(len(lengths) + 1, device="meta", dtype=torch.int32)
+    out, _ = OPS.mla_forward_padded(q, q, v, cu, cu, s, s, True, None, "auto")
+    assert out.is_contiguous() == native
+    out, _ = OPS.mla_forward_padded(q, q, v, cu, cu.clone(), s, s, True, None, "auto")
+    assert not out.is_contiguous()  # separate offsets tensors: padded
 
 
 def test_native_backend_needs_uniform_batch():
@@ -439,6 +475,43 @@ def test_cuda_backends_match_reference(rng, dtype, dims, causal, backend):
     for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), grads):
         assert got.shape == exp.shape, name
         assert rel_err(got, exp) < 2 * TOL[dtype], (backend, name)
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dims", [(192, 128), (64, 64)], ids=["192-128", "64-64"])
+@pytest.mark.parametrize("lengths", [[1, 4096, 77, 1, 2500, 17, 0, 1024], [300, 301, 299]], ids=["wide", "close"])
+def test_cuda_native_ragged_self_attention(dtype, dims, lengths):
+    """Ragged causal self-attention on the native backend (right-padded dense copies)."""
+    dqk, dv = dims
+    c = make_case(lengths, hq=4, hk=4, dqk=dqk, dv=dv, dtype=dtype, device="cuda", seed=sum(lengths))
+    c["cu_kv"] = c["cu_q"]
+    out, (q, k, v) = run(c, backend="native", grad=True)
+    assert out.is_contiguous()
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    want, grads = ref_grads(c, g)
+    assert rel_err(out, want) < TOL[dtype]
+    out.backward(g.to("cuda", dtype))
+    for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), grads):
+        assert torch.isfinite(got).all(), name
+        assert rel_err(got, exp) < 2 * TOL[dtype], name
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_auto_goes_native_where_measured():
+    """At the auto table's threshold (16 x 1024 tokens x 16 heads, 192/128) auto runs native
+    (contiguous output) and matches the reference, forward and backward."""
+    c = make_case([1024] * 16, hq=16, hk=16, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda", seed=11)
+    out, (q, k, v) = run(c, backend="auto", grad=True)
+    assert out.is_contiguous()
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
+    want, grads = ref_grads(c, g)
+    assert rel_err(out, want) < TOL[torch.bfloat16]
+    out.backward(g.to("cuda", torch.bfloat16))
+    for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), grads):
+        assert rel_err(got, exp) < 2 * TOL[torch.bfloat16], name
 
 
 @gpu

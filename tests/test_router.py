@@ -406,7 +406,9 @@ def test_bad_input_record(rng):
     with pytest.raises(RuntimeError, match="router_topk_record: indices must be an integer tensor"):
         OPS.router_topk_record([rec[0].float()])
     with pytest.raises(RuntimeError, match="router_topk_record: indices hold L \\* K = 4194305 indices per token"):
-        OPS.router_topk_record([torch.zeros(1, (1 << 22) + 1, dtype=torch.int16)])
+        OPS.router_topk_record(torch.zeros(5, 1, 838861, dtype=torch.int16).unbind(0))
+    with pytest.raises(RuntimeError, match="router_topk_record: indices have top-k K=1048577, more than"):
+        OPS.router_topk_record([torch.zeros(1, (1 << 20) + 1, dtype=torch.int16)])
     with pytest.raises(ValueError, match="merge_router_topk: indices must be a non-empty list"):
         merge_router_topk([], layout)
     with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[0\] must be \[T_local_sp, K\]"):
@@ -478,7 +480,7 @@ def test_bad_input_scatter(rng):
         OPS.router_topk_scatter(vals, *args, 2, 0, 2, 2)
     with pytest.raises(RuntimeError, match="router_topk_scatter: routes hold L \\* K = 4194305 indices per token"):
         one = verl_ops.ThdLayout.from_lengths([1])
-        OPS.router_topk_scatter(torch.zeros(1, 1, (1 << 22) + 1, dtype=torch.int16), one.cu_seqlens,
+        OPS.router_topk_scatter(torch.zeros(1, 5, 838861, dtype=torch.int16), one.cu_seqlens,
                                 one.cu_seqlens_padded, one.local_rows)
     with pytest.raises(RuntimeError, match="router_topk_scatter: cp_layout must be 'zigzag' or 'contiguous'"):
         OPS.router_topk_scatter(vals, *args, 2, 0, 2, 0, "ring")

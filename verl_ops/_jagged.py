@@ -20,8 +20,16 @@ def _gather_setup_context(ctx, inputs, output):
 
 
 def _gather_backward(ctx, grad):
+    # Spans may repeat (a row gathered twice gets both gradients), so this accumulates with
+    # index_add_ instead of the disjoint-span scatter kernel. Row indices are built on the device
+    # with the known output size: no host synchronisation.
     src_starts, cu_out = ctx.saved_tensors
-    return _ops.jagged_scatter(grad.contiguous(), src_starts, cu_out, ctx.total_in), None, None, None
+    total_out = grad.shape[0]
+    lengths = (cu_out[1:] - cu_out[:-1]).to(torch.int64)
+    first = torch.repeat_interleave(src_starts - cu_out[:-1].to(torch.int64), lengths, output_size=total_out)
+    rows = first + torch.arange(total_out, device=grad.device)
+    out = grad.new_zeros((ctx.total_in, *grad.shape[1:]))
+    return out.index_add_(0, rows, grad), None, None, None
 
 
 def _scatter_setup_context(ctx, inputs, output):
@@ -131,8 +139,8 @@ def jagged_gather(
             torch.compile / CUDA-graph capture. CPU tensors are always checked.
 
     Returns:
-        ``[total_out, *F]``. Differentiable in ``values`` (backward: :func:`jagged_scatter`, which
-        needs the selected spans to be disjoint).
+        ``[total_out, *F]``. Differentiable in ``values`` (the backward accumulates, so repeated
+        spans get the sum of their gradients).
     """
     op = "jagged_gather"
     _check_index_tensors(op, src_starts, cu_seqlens_out)

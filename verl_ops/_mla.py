@@ -85,9 +85,11 @@ def mla_forward_padded(
             sees keys ``j <= i + Lk - Lq``). A query that sees no key gets a zero output.
         softmax_scale: defaults to ``1 / sqrt(Dqk)``.
         backend: ``"padded"`` (V zero-padded to Dqk in one kernel, then the varlen FlashAttention
-            kernels of torch), ``"native"`` (cuDNN attention with ``Dv != Dqk``, for batches whose
-            sequences all have the same length), or ``"auto"`` (picks by measured shape tables;
-            currently the padded path). On the CPU every backend runs the same exact reference.
+            kernels of torch), ``"native"`` (cuDNN attention with ``Dv != Dqk``: batches whose
+            sequences all have the same length, or ragged causal self-attention batches that pass
+            one tensor as both ``cu_seqlens_q`` and ``cu_seqlens_kv``, copied into right-padded
+            dense rows), or ``"auto"`` (native where it measured faster, see the README; else
+            padded). On the CPU every backend runs the same exact reference.
         validate: check the offsets against the data on the host. Default: on when the offsets
             are CPU tensors; CUDA offsets are only checked with ``validate=True`` (a host sync),
             as in FlashAttention.

@@ -3,6 +3,8 @@ autograd and fake-tensor registrations."""
 
 from __future__ import annotations
 
+import zlib
+
 import torch
 
 from .layout import ThdLayout
@@ -254,7 +256,8 @@ def _layout_fingerprint(layout: ThdLayout) -> list:
     w = torch.arange(1, layout.batch_size + 2, dtype=torch.int64)
     h1 = int((layout.cu_seqlens_cpu.to(torch.int64) * w).sum()) % (1 << 61)
     h2 = int((layout.cu_seqlens_padded_cpu.to(torch.int64) * w * w).sum()) % (1 << 61)
-    return [layout.cp_size, layout.batch_size, layout.total_tokens, layout.total_padded, h1, h2]
+    rules = [layout.tp_size, layout.local_rows, zlib.crc32(layout.cp_layout.encode())]
+    return [layout.cp_size, layout.batch_size, layout.total_tokens, layout.total_padded, h1, h2, *rules]
 
 
 def check_layout_across_ranks(layout: ThdLayout, group, device, local_error: Exception | None = None) -> None:

@@ -148,19 +148,19 @@ def plan_dynamic_cp(
     if any(n < 0 for n in lengths):
         raise ValueError(f"{op}: lengths must be >= 0, got {min(lengths)}")
     B = len(lengths)
+    longest = max(lengths, default=0)
+    need = _next_pow2(max(1, -(-longest // max_seqlen_per_dp_cp_rank)))
+    if need > dp_size:
+        raise ValueError(
+            f"{op}: the longest sequence ({longest} tokens) needs local_cp_size={need} "
+            f"(next power of two of ceil({longest} / "
+            f"max_seqlen_per_dp_cp_rank={max_seqlen_per_dp_cp_rank})) "
+            f"but dp_size is {dp_size}; raise max_seqlen_per_dp_cp_rank or cap the sequence length"
+        )
     if B < dp_size:
         local_cp_size = dp_size  # too few sequences to give every group one: one group, whole batch
     else:
-        need = max(1, -(-max(lengths) // max_seqlen_per_dp_cp_rank))
-        local_cp_size = _next_pow2(need)
-        if local_cp_size > dp_size:
-            raise ValueError(
-                f"{op}: the longest sequence ({max(lengths)} tokens) needs local_cp_size={local_cp_size} "
-                f"(next power of two of ceil({max(lengths)} / "
-                f"max_seqlen_per_dp_cp_rank={max_seqlen_per_dp_cp_rank})) "
-                f"but dp_size is {dp_size}; raise max_seqlen_per_dp_cp_rank or cap the sequence length"
-            )
-        local_cp_size = next(s for s in _valid_cp_sizes(dp_size) if s >= local_cp_size)
+        local_cp_size = next(s for s in _valid_cp_sizes(dp_size) if s >= need)
     G = dp_size // local_cp_size
     if G == 1:
         groups = (tuple(range(B)),)
@@ -501,7 +501,7 @@ def dynamic_cp_split(
         plan = plan_dynamic_cp(
             parsed[1], dp_size, max_seqlen_per_dp_cp_rank, dp_rank=dp_rank, assignment=assignment
         )
-    except (ValueError, TypeError) as e:
+    except Exception as e:  # every rank still joins the exchange below; re-raised after it
         error = e
     if groups is not None and dp_size > 1 and validate:
         ls = plan.lengths if plan is not None else ()
@@ -669,6 +669,8 @@ def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
     cu = [0]
     for n in merged_lengths:
         cu.append(cu[-1] + n)
+    if cu[-1] > 2**31 - 1:
+        raise ValueError(f"{op}: {cu[-1]} merged rows do not fit the int32 offsets of jagged_gather")
     both = torch.tensor(src + cu, dtype=torch.int64).to(device)
     merged = _ops.jagged_gather(gathered, both[:B], both[B:].to(torch.int32), cu[-1])
     merged = merged.view(values.dtype).view(cu[-1], *feat).to(values.device)

@@ -214,7 +214,7 @@ def merge_router_topk(
             _check_mask_lengths(op, attention_mask, layout, validate)
         if multi:
             local, overflow = _ops.router_topk_record(layer_list)
-    except (ValueError, RuntimeError) as e:
+    except Exception as e:  # every rank still joins the exchange below; re-raised after it
         if not exchange:
             raise
         error = e

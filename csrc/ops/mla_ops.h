@@ -29,9 +29,15 @@ MlaSizes check_mla_args(const char* op, const at::Tensor& q, const at::Tensor& k
 // The backend a call runs on. A function of the shapes only, so the Meta kernel knows the output
 // layout: "padded" returns out (and grad_v) as a [.., :Dv] view of a [T, H, Dqk] buffer when
 // Dv < Dqk; "native" returns contiguous tensors.
+// same_offsets: q and kv use one cu_seqlens tensor (self-attention, as Megatron passes it),
+// which lets the native backend take ragged causal batches (see shares_offsets).
 MlaBackend resolve_mla_backend(const char* op, const std::string& backend, const MlaSizes& s,
                                const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_kv,
-                               bool causal);
+                               bool causal, bool same_offsets);
+
+// True when a and b are the same offsets: one tensor, or views of one storage at one offset with
+// one shape (so real, Meta and fake tensors all answer alike, without reading values).
+bool shares_offsets(const at::Tensor& a, const at::Tensor& b);
 
 double mla_softmax_scale(const std::optional<double>& softmax_scale, int64_t dqk);
 

@@ -7,7 +7,9 @@
 //   is cheaper than keeping a padded copy alive between forward and backward) in one launch,
 //   and returns grad_v as the first Dv columns of FlashAttention's padded dV.
 // native: cuDNN's SDPA, which takes Dv != Dqk, through aten::_cudnn_attention_forward /
-//   _backward in their dense form on a zero-copy [B, H, S, D] view of uniform THD batches. The
+//   _backward in their dense form: on a zero-copy [B, H, S, D] view of uniform THD batches, and
+//   on right-padded copies of ragged causal self-attention batches (one pack launch per input,
+//   one unpack launch per output, through the THD kernels). The
 //   dense form keeps its cuDNN graph in a cache keyed by shape; torch's ragged (cum_seq) form
 //   rebuilds the whole cuDNN graph on every call in torch 2.11 (its cache lookup never inserts),
 //   which is where its ~40 ms per call comes from, so it is deliberately not used here.
@@ -21,6 +23,7 @@
 
 #include "../cuda/mla_kernels.h"
 #include "mla_ops.h"
+#include "thd_ops.h"
 
 namespace verl_ops {
 namespace ops {
@@ -91,6 +94,39 @@ at::Tensor from_bhsd(const at::Tensor& t4, int64_t rows) {
   return t4.transpose(1, 2).reshape({rows, t4.size(1), t4.size(3)}).contiguous();
 }
 
+// Ragged batches on the dense native path: [T, H, D] rows <-> right-padded [B, S, H, D] rows.
+struct DenseRows {
+  at::Tensor cu;        // the batch's int32 offsets [B + 1]
+  at::Tensor cu_dense;  // b * S: every sequence padded to S rows
+  int64_t batch = 0, seqlen = 0;
+};
+
+DenseRows dense_rows(const at::Tensor& cu, int64_t batch, int64_t seqlen) {
+  return {cu, at::arange(0, (batch + 1) * seqlen, seqlen, cu.options()), batch, seqlen};
+}
+
+// Pack [T, *F] rows into [B * S, *F] (zeros in padding rows); also this rows' positions.
+std::tuple<at::Tensor, at::Tensor> pack_dense(const DenseRows& d, const at::Tensor& rows2d) {
+  return preprocess_thd_cuda(rows2d, d.cu, d.cu_dense, d.batch * d.seqlen, 1, 0, "contiguous",
+                             false, std::nullopt);
+}
+
+// [T, H, D] -> [B, H, S, D] view of a right-padded copy.
+at::Tensor to_dense(const DenseRows& d, const at::Tensor& x) {
+  const at::Tensor xc = x.contiguous();
+  const int64_t h = xc.size(1), dd = xc.size(2);
+  at::Tensor packed = std::get<0>(pack_dense(d, xc.view({xc.size(0), h * dd})));
+  return packed.view({d.batch, d.seqlen, h, dd}).transpose(1, 2);
+}
+
+// [B, H, S, D] -> the valid rows [T, H, D].
+at::Tensor from_dense(const DenseRows& d, const at::Tensor& x4, int64_t rows) {
+  const int64_t h = x4.size(1), dd = x4.size(3);
+  const at::Tensor r = x4.transpose(1, 2).reshape({d.batch * d.seqlen, h * dd});
+  return postprocess_thd_cuda(r, d.cu, d.cu_dense, rows, 1, 0, "contiguous", false, std::nullopt)
+      .view({rows, h, dd});
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> mla_forward_padded_cuda(
@@ -103,7 +139,8 @@ std::tuple<at::Tensor, at::Tensor> mla_forward_padded_cuda(
   const MlaSizes s = check_mla_args(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
                                     max_seqlen_kv, softmax_scale);
   check_cuda_dtype(op, q);
-  const MlaBackend b = resolve_mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal);
+  const MlaBackend b = resolve_mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
+                                           shares_offsets(cu_seqlens_q, cu_seqlens_kv));
   const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), dqk = q.size(2), dv = v.size(2);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
   const double scale = mla_softmax_scale(softmax_scale, dqk);
@@ -127,6 +164,18 @@ std::tuple<at::Tensor, at::Tensor> mla_forward_padded_cuda(
     return {dv == dqk ? o.contiguous() : o.narrow(2, 0, dv), std::get<1>(res)};
   }
   const int64_t sq = max_seqlen_q, skv = max_seqlen_kv;
+  const bool uniform = batch * sq == tq && batch * skv == tk;
+  if (!uniform) {
+    // Ragged causal self-attention (resolve_mla_backend checked it): right-padded dense copies.
+    const DenseRows d = dense_rows(cu_q, batch, sq);
+    auto res = at::_cudnn_attention_forward(to_dense(d, qc), to_dense(d, kc), to_dense(d, v), std::nullopt,
+                                            std::nullopt, std::nullopt, sq, sq,
+                                            /*compute_log_sumexp=*/true, 0.0, causal, false, scale);
+    const at::Tensor lse_rows = std::get<1>(res).reshape({batch, hq, sq}).transpose(1, 2).reshape({batch * sq, hq});
+    const at::Tensor lse = postprocess_thd_cuda(lse_rows.to(at::kFloat), d.cu, d.cu_dense, tq, 1, 0,
+                                                "contiguous", false, std::nullopt);
+    return {from_dense(d, std::get<0>(res), tq), lse.t().contiguous()};
+  }
   auto res = at::_cudnn_attention_forward(as_bhsd(qc, batch, sq), as_bhsd(kc, batch, skv),
                                           as_bhsd(v.contiguous(), batch, skv), std::nullopt,
                                           std::nullopt, std::nullopt, sq, skv,
@@ -149,7 +198,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mla_backward_padded_cuda(
                                     max_seqlen_kv, softmax_scale);
   check_cuda_dtype(op, q);
   check_mla_backward_args(op, grad_out, out, softmax_lse, q, s);
-  const MlaBackend b = resolve_mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal);
+  const MlaBackend b = resolve_mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
+                                           shares_offsets(cu_seqlens_q, cu_seqlens_kv));
   const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hk = k.size(1), dqk = q.size(2),
                 dv = v.size(2);
   const int64_t batch = cu_seqlens_q.size(0) - 1;
@@ -186,11 +236,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> mla_backward_padded_cuda(
             dv == dqk ? dvp.contiguous() : dvp.narrow(2, 0, dv)};
   }
   const int64_t sq = max_seqlen_q, skv = max_seqlen_kv;
-  const at::Tensor lse4 =
-      softmax_lse.reshape({hq, batch, sq}).permute({1, 0, 2}).contiguous().unsqueeze(-1);
   const at::Tensor no_tensor;
   const at::Tensor seed = at::empty({}, q.options().dtype(at::kLong));
   const at::Tensor offset = at::empty({}, q.options().dtype(at::kLong));
+  const bool uniform = batch * sq == tq && batch * skv == tk;
+  if (!uniform) {
+    // Ragged causal self-attention: padding query rows get a zero output gradient and an
+    // infinite log-sum-exp (probabilities exactly 0), so they add nothing to any gradient.
+    const DenseRows d = dense_rows(cu_q, batch, sq);
+    auto packed_lse = pack_dense(d, softmax_lse.t().contiguous());
+    const at::Tensor lengths = (cu_q.narrow(0, 1, batch) - cu_q.narrow(0, 0, batch)).unsqueeze(1);
+    const at::Tensor valid = (std::get<1>(packed_lse).view({batch, sq}) < lengths).unsqueeze(-1);
+    const at::Tensor lse4 = at::where(valid, std::get<0>(packed_lse).view({batch, sq, hq}),
+                                      std::numeric_limits<float>::infinity())
+                                .permute({0, 2, 1})
+                                .contiguous()
+                                .unsqueeze(-1);
+    auto grads = at::_cudnn_attention_backward(
+        to_dense(d, grad_out), to_dense(d, qc), to_dense(d, kc), to_dense(d, v), to_dense(d, out), lse4,
+        seed, offset, no_tensor, no_tensor, no_tensor, sq, sq, 0.0, causal, scale);
+    return {from_dense(d, std::get<0>(grads), tq), from_dense(d, std::get<1>(grads), tk),
+            from_dense(d, std::get<2>(grads), tk)};
+  }
+  const at::Tensor lse4 =
+      softmax_lse.reshape({hq, batch, sq}).permute({1, 0, 2}).contiguous().unsqueeze(-1);
   auto grads = at::_cudnn_attention_backward(
       as_bhsd(grad_out.contiguous(), batch, sq), as_bhsd(qc, batch, sq), as_bhsd(kc, batch, skv),
       as_bhsd(v.contiguous(), batch, skv), as_bhsd(out.contiguous(), batch, sq), lse4, seed, offset,

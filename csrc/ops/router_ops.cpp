@@ -197,6 +197,9 @@ RouterRecordCall prepare_router_record(at::TensorList indices,
   if (call.num_layers > kMaxLayers) {
     fail(op + ": indices hold " + num(call.num_layers) + " layers, more than the " + num(kMaxLayers) + " the kernels support");
   }
+  if (call.topk > (int64_t{1} << 20)) {
+    fail(op + ": indices have top-k K=" + num(call.topk) + ", more than the 1048576 the kernels support");
+  }
   if (call.num_layers * call.topk > kMaxIndicesPerToken) {
     fail(op + ": indices hold L * K = " + num(call.num_layers * call.topk) + " indices per token, more than the " +
          num(kMaxIndicesPerToken) + " the kernels support");
@@ -380,6 +383,10 @@ RouterScatterCall prepare_router_scatter(const at::Tensor& routes, const at::Ten
   call.routes = routes.contiguous();
   call.num_layers = routes.size(-2);
   call.topk = routes.size(-1);
+  if (call.num_layers > (int64_t{1} << 20) || call.topk > (int64_t{1} << 20)) {
+    fail(op + ": routes have L=" + num(call.num_layers) + " layers and K=" + num(call.topk) +
+         " indices per layer; each must be at most 1048576");
+  }
   if (call.num_layers * call.topk > kMaxIndicesPerToken) {
     fail(op + ": routes hold L * K = " + num(call.num_layers * call.topk) + " indices per token, more than the " +
          num(kMaxIndicesPerToken) + " the kernels support");

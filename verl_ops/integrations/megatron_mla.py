@@ -15,7 +15,8 @@ without an extra copy:
 - :func:`mla_thd_core_attention` — the call, returning ``[t, n * Dv]`` like TransformerEngine's
   THD attention.
 - :func:`apply_patch` — installs it on ``MultiLatentAttention`` (Megatron-Core < 0.16.2 only;
-  megatron is imported only here).
+  megatron is imported only here). Calls the op does not take (context parallel, dropout, other
+  variants) go to Megatron's core attention with verl's padding of V (none for DSA).
 """
 
 from __future__ import annotations
@@ -113,6 +114,23 @@ def mla_thd_core_attention(query, key, value, packed_seq_params, *, softmax_scal
     return out.reshape(out.shape[0], -1)
 
 
+def _megatron_core_attention(original, config, query, key, value, *args, packed_seq_params=None, **kwargs):
+    """Megatron's own core attention for the cases the op does not take (context parallel,
+    dropout, other variants ...), with verl's padding: on the THD path V is zero-padded to the
+    query head dim and the output trimmed back, except for the DSA variant, which gets V as is."""
+    thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+    if not thd or is_dsa(config) or value is None or value.dim() != 3 or query.dim() != 3:
+        return original(query, key, value, *args, packed_seq_params=packed_seq_params, **kwargs)
+    dqk, dv = query.shape[-1], value.shape[-1]
+    if dv >= dqk:
+        return original(query, key, value, *args, packed_seq_params=packed_seq_params, **kwargs)
+    out = original(
+        query, key, torch.nn.functional.pad(value, (0, dqk - dv)), *args, packed_seq_params=packed_seq_params, **kwargs
+    )
+    t, n = value.shape[0], value.shape[1]
+    return out.reshape(t, n, dqk)[..., :dv].reshape(*out.shape[:-1], n * dv)
+
+
 def _wrap_core_attention(mla_module, backend: str) -> None:
     core = mla_module.core_attention
     if getattr(core, _PATCHED_ATTR, False):
@@ -127,8 +145,9 @@ def _wrap_core_attention(mla_module, backend: str) -> None:
             return mla_thd_core_attention(
                 query, key, value, packed_seq_params, softmax_scale=getattr(core, "softmax_scale", None), backend=backend
             )
-        return original(
-            query, key, value, attention_mask, *args, packed_seq_params=packed_seq_params, attn_mask_type=attn_mask_type, **kwargs
+        return _megatron_core_attention(
+            original, mla_module.config, query, key, value, attention_mask, *args,
+            packed_seq_params=packed_seq_params, attn_mask_type=attn_mask_type, **kwargs,
         )
 
     core.forward = forward
