@@ -234,6 +234,14 @@ def check_layout_mismatch(rank, world, backend):
         RuntimeError, "CP ranks disagree on the THD layout",
         lambda: verl_ops.postprocess_thd(packed, layout, rank, group=dist.group.WORLD),
     )
+    # Same offsets, different CP layout (zigzag vs contiguous): rows would land elsewhere.
+    lengths = [4 * world, 8 * world]
+    layout = ThdLayout.from_lengths(lengths, cp_size=world, cp_layout="zigzag" if rank == 0 else "contiguous", device=device)
+    packed = torch.ones(layout.local_rows, 2, device=device)
+    _expect_raises(
+        RuntimeError, "CP ranks disagree on the THD layout",
+        lambda: verl_ops.postprocess_thd(packed, layout, rank, group=dist.group.WORLD),
+    )
     # One rank with a wrong argument: its own ValueError there, a RuntimeError on the others.
     layout = ThdLayout.from_lengths([6, 2], cp_size=world, device=device)
     packed = torch.ones(layout.local_rows, 2, device=device)
