@@ -68,6 +68,22 @@ __device__ __forceinline__ void zero8(T* v) {
   for (int i = 0; i < 8; ++i) v[i] = T(0);
 }
 
+// u = q * d + rem, advanced by a fixed step without a division per step (integer division by a
+// run-time value costs tens of instructions, which the narrow int16 units cannot hide).
+struct DivCursor {
+  int32_t q, rem, step_q, step_rem, d;
+  __device__ DivCursor(int32_t u, int32_t step, int32_t divisor)
+      : q(u / divisor), rem(u % divisor), step_q(step / divisor), step_rem(step % divisor), d(divisor) {}
+  __device__ __forceinline__ void advance() {
+    q += step_q;
+    rem += step_rem;
+    if (rem >= d) {
+      rem -= d;
+      ++q;
+    }
+  }
+};
+
 // The vector paths move units of 8 indices (K % 8 == 0): each thread keeps kUnroll units' loads
 // in flight before it converts and stores them, enough bytes in flight per SM to cover memory
 // latency even for 16-byte int16 units.
@@ -103,10 +119,11 @@ __global__ void __launch_bounds__(kBlock)
       const int32_t row_units = nl * kc;
       const int32_t pitch = row_units + 1;
       const int32_t units = n * row_units;
-      auto locate = [&](int32_t u, const T** src, int32_t* slot) {
-        const int32_t r = u % n;
-        const int32_t j = u / n;
-        const int32_t l = j / kc;
+      // Unit u = j * n + r: the cursor's quotient is j (layer, chunk), its remainder the row r.
+      auto locate = [&](const DivCursor& cur, const T** src, int32_t* slot) {
+        const int32_t r = cur.rem;
+        const int32_t j = cur.q;
+        const int32_t l = kc == 1 ? j : j / kc;
         const int32_t c = j - l * kc;
         const int64_t sr = tile_src[r];
         *slot = r * pitch + j;
@@ -118,6 +135,7 @@ __global__ void __launch_bounds__(kBlock)
         for (int i = 0; i < 8; ++i) o[i] = to_int16(v[i], &bad);
         return *reinterpret_cast<const uint4*>(o);
       };
+      DivCursor cur(threadIdx.x, kBlock, n);
       int32_t u = threadIdx.x;
       for (; u + (kUnroll - 1) * kBlock < units; u += kUnroll * kBlock) {
         alignas(16) T v[kUnroll][8];
@@ -125,7 +143,8 @@ __global__ void __launch_bounds__(kBlock)
 #pragma unroll
         for (int q = 0; q < kUnroll; ++q) {
           const T* src;
-          locate(u + q * kBlock, &src, &slot[q]);
+          locate(cur, &src, &slot[q]);
+          cur.advance();
           if (src != nullptr) {
             load8(src, v[q]);
           } else {
@@ -139,7 +158,8 @@ __global__ void __launch_bounds__(kBlock)
         alignas(16) T v[8];
         const T* src;
         int32_t slot;
-        locate(u, &src, &slot);
+        locate(cur, &src, &slot);
+        cur.advance();
         if (src != nullptr) {
           load8(src, v);
         } else {
@@ -148,11 +168,10 @@ __global__ void __launch_bounds__(kBlock)
         stage[slot] = convert(v);
       }
       __syncthreads();
-      for (int32_t w = threadIdx.x; w < units; w += kBlock) {
-        const int32_t r = w / row_units;
-        const int32_t x = w - r * row_units;
-        uint4* dst = reinterpret_cast<uint4*>(out + ((row0 + r) * num_layers + layer0) * topk) + x;
-        *dst = stage[r * pitch + x];
+      DivCursor wc(threadIdx.x, kBlock, row_units);  // w = r * row_units + x
+      for (int32_t w = threadIdx.x; w < units; w += kBlock, wc.advance()) {
+        uint4* dst = reinterpret_cast<uint4*>(out + ((row0 + wc.q) * num_layers + layer0) * topk) + wc.rem;
+        *dst = stage[wc.q * pitch + wc.rem];
       }
     } else {
       for (int32_t j = threadIdx.x; j < items; j += kBlock) {
