@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import math
 import os
 import subprocess
 import sys
@@ -32,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import verl_stubs
+from reference import ref_layout
 
 import verl_ops
 from verl_ops.integrations import verl as vi
@@ -45,23 +45,8 @@ CPS = [1, 2, 4]
 
 
 def ref_padded_lengths(lengths, tp, cp, cp_layout="zigzag", fp8=False, min_local_rows=None, bucket=None):
-    factor = 2 if (cp_layout == "zigzag" and cp > 1) else 1
-    align = tp * cp * factor
-    total_align = None
-    if fp8:
-        total_align = align * 128
-        align = math.lcm(16, align)
-    padded = [-(-n // align) * align for n in lengths]
-    if fp8:
-        padded[-1] += (-sum(padded)) % total_align
-    if min_local_rows is not None and sum(padded) < cp * min_local_rows:
-        padded[-1] += cp * min_local_rows - sum(padded)
-    if bucket is not None:
-        a = math.lcm(bucket, cp)
-        if fp8:
-            a = math.lcm(a, total_align)
-        padded[-1] += (-sum(padded)) % a
-    return padded
+    _, cu_padded = ref_layout(lengths, tp, cp, cp_layout, fp8, min_local_rows, bucket)
+    return [b - a for a, b in zip(cu_padded, cu_padded[1:])]
 
 
 def ref_shard(per_seq_rows, padded, cp, rank, cp_layout):

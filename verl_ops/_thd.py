@@ -92,6 +92,38 @@ def _check_mask_lengths(op: str, mask: torch.Tensor, layout: ThdLayout, validate
             )
 
 
+def _nested_values(op: str, name: str, x: torch.Tensor, layout: ThdLayout, validate) -> torch.Tensor:
+    """The values of jagged nested tensor ``x``, its sequence count and (when validating) its
+    offsets checked against the layout's cu_seqlens."""
+    if torch.compiler.is_compiling() or x.requires_grad:
+        offsets, values = x.offsets(), x.values()
+    else:
+        if x.layout != torch.jagged or getattr(x, "_lengths", None) is not None:
+            raise ValueError(f"{op}: {name} must be a contiguous jagged nested tensor (layout=torch.jagged)")
+        # The same tensors as offsets() / values(), without their per-call dispatch cost.
+        offsets, values = x._offsets, x._values
+    if offsets.shape[0] - 1 != layout.batch_size:
+        raise ValueError(f"{op}: {name} has {offsets.shape[0] - 1} sequences but the layout has {layout.batch_size}")
+    if (
+        offsets is not layout.source_offsets
+        and _should_validate(validate, values)
+        and not torch.equal(offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64))
+    ):
+        raise ValueError(f"{op}: {name}'s offsets do not match the layout's cu_seqlens")
+    return values
+
+
+def _as_nested(values: torch.Tensor, cu: torch.Tensor, layout: ThdLayout) -> torch.Tensor:
+    """Jagged nested tensor of per-token ``values`` with the layout's sequences (``cu``: its
+    cu_seqlens on values' device); the known min / max lengths spare torch a host read."""
+    return torch.nested.nested_tensor_from_jagged(
+        values,
+        offsets=cu.to(torch.int64),
+        min_seqlen=layout.min_seqlen_unpadded,
+        max_seqlen=layout.max_seqlen_unpadded,
+    )
+
+
 def _offsets_on(op: str, layout: ThdLayout, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The layout's (cu_seqlens, cu_seqlens_padded) on t's device (copied from the host copies
     when the layout lives elsewhere; plain tensor ops, so this also traces under torch.compile)."""
@@ -135,25 +167,7 @@ def preprocess_thd(
     if x.is_nested:
         if attention_mask is not None:
             raise ValueError(f"{op}: attention_mask is for padded input, not for a nested tensor")
-        if torch.compiler.is_compiling() or x.requires_grad:
-            offsets, values = x.offsets(), x.values()
-        else:
-            if x.layout != torch.jagged or getattr(x, "_lengths", None) is not None:
-                raise ValueError(f"{op}: x must be a contiguous jagged nested tensor (layout=torch.jagged)")
-            # The same tensors as offsets() / values(), without their per-call dispatch cost.
-            offsets, values = x._offsets, x._values
-        if offsets.shape[0] - 1 != layout.batch_size:
-            raise ValueError(
-                f"{op}: x has {offsets.shape[0] - 1} sequences but the layout has {layout.batch_size}"
-            )
-        if (
-            offsets is not layout.source_offsets
-            and _should_validate(validate, values)
-            and not torch.equal(
-                offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64)
-            )
-        ):
-            raise ValueError(f"{op}: the nested tensor's offsets do not match the layout's cu_seqlens")
+        values = _nested_values(op, "x", x, layout, validate)
     elif attention_mask is not None:
         if x.dim() < 2 or tuple(x.shape[:2]) != tuple(attention_mask.shape):
             raise ValueError(
@@ -238,12 +252,7 @@ def postprocess_thd(
         )
     if attention_mask is not None or not as_nested:
         return out
-    return torch.nested.nested_tensor_from_jagged(
-        out,
-        offsets=cu.to(torch.int64),
-        min_seqlen=layout.min_seqlen_unpadded,
-        max_seqlen=layout.max_seqlen_unpadded,
-    )
+    return _as_nested(out, cu, layout)
 
 
 # --------------------------------------------------------------------------------------------

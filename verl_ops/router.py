@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from ._thd import _check_mask_lengths, _offsets_on, _should_validate
+from ._thd import _as_nested, _check_mask_lengths, _nested_values, _offsets_on, _should_validate
 from .layout import ThdLayout
 
 _ops = torch.ops.verl_ops
@@ -252,39 +252,12 @@ def merge_router_topk(
         ).view(torch.int16)
     if attention_mask is not None or not as_nested:
         return routes
-    return torch.nested.nested_tensor_from_jagged(
-        routes,
-        offsets=cu.to(torch.int64),
-        min_seqlen=layout.min_seqlen_unpadded,
-        max_seqlen=layout.max_seqlen_unpadded,
-    )
+    return _as_nested(routes, cu, layout)
 
 
 def _jagged_values(op: str, name: str, x: torch.Tensor, layout: ThdLayout, validate, feature_dims: int):
     """values of a jagged nested tensor (offsets checked against the layout) or of a plain tensor."""
-    if x.is_nested:
-        if torch.compiler.is_compiling():
-            offsets, values = x.offsets(), x.values()
-        else:
-            if x.layout != torch.jagged or getattr(x, "_lengths", None) is not None:
-                raise ValueError(
-                    f"{op}: {name} must be a contiguous jagged nested tensor (layout=torch.jagged)"
-                )
-            offsets, values = x._offsets, x._values
-        if offsets.shape[0] - 1 != layout.batch_size:
-            raise ValueError(
-                f"{op}: {name} has {offsets.shape[0] - 1} sequences but the layout has {layout.batch_size}"
-            )
-        if (
-            offsets is not layout.source_offsets
-            and _should_validate(validate, values)
-            and not torch.equal(
-                offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64)
-            )
-        ):
-            raise ValueError(f"{op}: {name}'s offsets do not match the layout's cu_seqlens")
-    else:
-        values = x
+    values = _nested_values(op, name, x, layout, validate) if x.is_nested else x
     if values.dim() != 1 + feature_dims or values.shape[0] != layout.total_tokens:
         want = "[total_tokens, L, K]" if feature_dims == 2 else "[total_tokens]"
         raise ValueError(

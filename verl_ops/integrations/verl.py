@@ -76,7 +76,7 @@ def _mpu():
         from megatron.core import parallel_state
     except ImportError as e:  # pragma: no cover - exercised only without megatron-core
         raise ImportError(
-            "verl_ops.integrations.verl needs megatron-core (megatron.core.parallel_state); "
+            "verl_ops.integrations needs megatron-core (megatron.core.parallel_state); "
             "install it with `pip install megatron-core`"
         ) from e
     return parallel_state

@@ -48,22 +48,11 @@ import torch
 
 from ..layout import ThdLayout
 from ..router import merge_router_topk, scatter_router_topk
-from .verl import LAYOUT_ATTR
+from .verl import LAYOUT_ATTR, _mpu
 
 __all__ = ["layout_options", "merge_router_topk_indices", "router_layout", "set_router_replay_data"]
 
 _FP8_PADDING_MODES = ("e4m3", "hybrid")
-
-
-def _mpu():
-    try:
-        from megatron.core import parallel_state
-    except ImportError as e:  # pragma: no cover - exercised only without megatron-core
-        raise ImportError(
-            "verl_ops.integrations.verl_router needs megatron-core (megatron.core.parallel_state); "
-            "install it with `pip install megatron-core`"
-        ) from e
-    return parallel_state
 
 
 def layout_options(tf_config, *, nested: bool = True) -> dict:
