@@ -1,6 +1,10 @@
 """Build of verl_ops._C: CPU kernels always, CUDA kernels whenever nvcc and a CUDA-enabled
 torch are present (a GPU is not needed to compile them).
 
+The binding layer uses only the LibTorch stable ABI, targeting torch 2.9
+(TORCH_TARGET_VERSION), and the module only the limited Python API (abi3): one binary wheel works
+under every torch >= 2.9 of the CUDA major it was built for, and every Python >= 3.10.
+
 Environment:
   VERL_OPS_CPU_ONLY=1      skip the CUDA sources even when nvcc is available.
   TORCH_CUDA_ARCH_LIST     GPU architectures (default "8.0;9.0").
@@ -18,6 +22,27 @@ from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCH_LIST = "8.0;9.0"
+VERSION = "0.1.0"
+# The stable-ABI version the binding layer targets: torch 2.9.
+TORCH_TARGET_VERSION = "0x0209000000000000"
+# verl_ops._C_layers: the one piece that needs list (Tensor[]) arguments, torch 2.10.
+TORCH_TARGET_VERSION_LISTS = "0x020A000000000000"
+# The limited Python API of Python 3.10 (the module only creates an empty module object).
+PY_LIMITED_API = "0x030A0000"
+
+
+def _cxx_standard():
+    """C++17, or C++20 when the target torch's own C++ API requires it (torch 2.15 does; the
+    stable headers we include do not, but the toolchain then has to speak C++20 anyway)."""
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    for rel in ("ATen/ATen.h", "torch/csrc/api/include/torch/all.h", "torch/csrc/stable/library.h"):
+        try:
+            with open(os.path.join(include, rel)) as f:
+                if "C++20 or later" in f.read():
+                    return "c++20"
+        except OSError:
+            pass
+    return "c++17"
 
 
 def _nvcc_version(cuda_home):
@@ -81,32 +106,69 @@ def _shared_libstdcxx_link_args():
     return [loaded[0]]
 
 
-def _extension():
-    sources = sorted(
+def _torch_at_least(major, minor):
+    m = re.match(r"(\d+)\.(\d+)", torch.__version__)
+    return (int(m.group(1)), int(m.group(2))) >= (major, minor)
+
+
+def _make(name, sources, target, with_cuda, std, link_args):
+    common = [f"-DTORCH_TARGET_VERSION={target}", f"-DPy_LIMITED_API={PY_LIMITED_API}"]
+    cxx_flags = ["-O3", f"-std={std}", "-fvisibility=hidden"] + common
+    if not with_cuda:
+        return cpp_extension.CppExtension(
+            name, sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_args, py_limited_api=True
+        )
+    # USE_CUDA: the CUDA declarations of the stable C shim (the current CUDA stream).
+    cxx_flags += ["-DVERL_OPS_WITH_CUDA", "-DUSE_CUDA"]
+    nvcc_flags = ["-O3", f"-std={std}", "-DVERL_OPS_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo"] + common
+    return cpp_extension.CUDAExtension(
+        name,
+        sources,
+        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+        extra_link_args=link_args,
+        py_limited_api=True,
+    )
+
+
+def _extensions():
+    """verl_ops._C (every op, stable ABI target 2.9) and, built against torch >= 2.10,
+    verl_ops._C_layers (router_topk_record over a list of tensors: list arguments need target 2.10)."""
+    with_cuda = _want_cuda()
+    if with_cuda:
+        os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+    std = _cxx_standard()
+    link_args = _shared_libstdcxx_link_args()
+    print(f"verl_ops: building against torch {torch.__version__} with -std={std}, stable ABI target 2.9")
+    main = sorted(
         glob.glob(os.path.join("csrc", "*.cpp"))
         + glob.glob(os.path.join("csrc", "cpu", "*.cpp"))
         + [p for p in glob.glob(os.path.join("csrc", "ops", "*.cpp")) if not p.endswith("_cuda.cpp")]
     )
-    cxx_flags = ["-O3", "-std=c++17"]
-    link_args = _shared_libstdcxx_link_args()
-    if not _want_cuda():
-        return cpp_extension.CppExtension(
-            "verl_ops._C", sources, extra_compile_args={"cxx": cxx_flags}, extra_link_args=link_args
-        )
-    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
-    sources += sorted(glob.glob(os.path.join("csrc", "ops", "*_cuda.cpp")))
-    sources += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-    cxx_flags.append("-DVERL_OPS_WITH_CUDA")
-    nvcc_flags = ["-O3", "-std=c++17", "-DVERL_OPS_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo"]
-    return cpp_extension.CUDAExtension(
-        "verl_ops._C",
-        sources,
-        extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
-        extra_link_args=link_args,
-    )
+    layers = [os.path.join("csrc", "layers", f) for f in ("router_layers.cpp", "router_ops_layers.cpp",
+                                                          "router_kernels_cpu_layers.cpp")]
+    if with_cuda:
+        main += sorted(glob.glob(os.path.join("csrc", "ops", "*_cuda.cpp")))
+        main += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
+        layers += [os.path.join("csrc", "layers", f) for f in ("router_ops_cuda_layers.cpp", "router_kernels_layers.cu")]
+    exts = [_make("verl_ops._C", main, TORCH_TARGET_VERSION, with_cuda, std, link_args)]
+    if _torch_at_least(2, 10):
+        exts.append(_make("verl_ops._C_layers", layers, TORCH_TARGET_VERSION_LISTS, with_cuda, std, link_args))
+    else:
+        print("verl_ops: torch < 2.10: no verl_ops._C_layers (list arguments); router record stacks its layers")
+    return exts, with_cuda
 
 
+def _local_version(with_cuda):
+    """The wheel's local version names what the binary was built for: +cu13, +cpu."""
+    if not with_cuda:
+        return "cpu"
+    return "cu" + torch.version.cuda.split(".")[0]
+
+
+_EXTS, _WITH_CUDA = _extensions()
 setup(
-    ext_modules=[_extension()],
+    version=f"{VERSION}+{_local_version(_WITH_CUDA)}",
+    ext_modules=_EXTS,
+    options={"bdist_wheel": {"py_limited_api": "cp310"}},
     cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
 )

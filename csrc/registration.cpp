@@ -1,31 +1,36 @@
 // The verl_ops API: every schema, and the kernels behind it for each dispatch key.
-#include <torch/library.h>
-
+//
+// Bound through the LibTorch stable ABI (TORCH_TARGET_VERSION 2.9): one binary works under every
+// later torch of its CUDA major. That ABI has no str arguments at 2.9, so enumerations are ints
+// (as aten's `int reduction`): cp_layout 0 = zigzag, 1 = contiguous; backend 0 = auto,
+// 1 = padded, 2 = native. The Python API takes the names. Fake (Meta) kernels and autograd are
+// registered from Python (verl_ops/_fake.py and the op modules).
 #include "ops/jagged_ops.h"
 #include "ops/mla_ops.h"
 #include "ops/router_ops.h"
+#include "ops/stable.h"
 #include "ops/thd_ops.h"
 
-TORCH_LIBRARY(verl_ops, m) {
+STABLE_TORCH_LIBRARY(verl_ops, m) {
   // Layout rules (OPS.md section 1) from per-sequence lengths (CPU). Returns int32 cu_seqlens
   // and cu_seqlens_padded, each [B + 1].
   m.def(
-      "thd_layout(Tensor lengths, int tp_size=1, int cp_size=1, str cp_layout='zigzag', "
+      "thd_layout(Tensor lengths, int tp_size=1, int cp_size=1, int cp_layout=0, "
       "bool fp8_padding=False, int? min_local_rows=None, int? pad_to_length_bucket=None) "
       "-> (Tensor cu_seqlens, Tensor cu_seqlens_padded)");
   // Pack jagged values [total, *F] (or padded [B, S, *F] with attention_mask [B, S]) into the
   // THD rows of cp_rank ([local_rows, *F]) or of every rank (cp_rank=-1: [cp, local_rows, *F]),
-  // with the position of each row inside its padded sequence.
+  // with the position of each row inside its padded sequence (0 in padding rows, as verl).
   m.def(
       "preprocess_thd(Tensor values, Tensor cu_seqlens, Tensor cu_seqlens_padded, "
-      "SymInt local_rows, int cp_size=1, int cp_rank=0, str cp_layout='zigzag', bool roll=False, "
+      "SymInt local_rows, int cp_size=1, int cp_rank=0, int cp_layout=0, bool roll=False, "
       "Tensor? attention_mask=None) -> (Tensor packed, Tensor position_ids)");
   // Inverse of preprocess_thd over valid tokens: packed [local_rows, *F] of cp_rank (other
   // ranks' tokens come out zero) or all shards [cp, local_rows, *F] (cp_rank=-1) -> jagged
   // values [total_tokens, *F], or [B, S, *F] with zeros where attention_mask is false.
   m.def(
       "postprocess_thd(Tensor packed, Tensor cu_seqlens, Tensor cu_seqlens_padded, "
-      "SymInt total_tokens, int cp_size=1, int cp_rank=-1, str cp_layout='zigzag', "
+      "SymInt total_tokens, int cp_size=1, int cp_rank=-1, int cp_layout=0, "
       "bool roll=False, Tensor? attention_mask=None) -> Tensor");
   // Whole-sequence gather: output sequence j = rows [src_starts[j], src_starts[j] + len_j) of
   // values, len_j from cu_seqlens_out (int32 [n + 1]). Selects a subset of a batch (dynamic CP
@@ -35,77 +40,64 @@ TORCH_LIBRARY(verl_ops, m) {
   m.def("jagged_scatter(Tensor grad, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_in) -> Tensor");
 
   // --- router replay (OPS.md section 4) ---
-  // Record: L layers of top-k indices (a list of [T, K], or one [L, T, K]; any integer dtype,
-  // any strides) -> [T, L, K] int16. With the layout's offsets (tp = cp = 1) the unpack is fused:
-  // [total_tokens, L, K], or [B, S, L, K] with attention_mask. `overflow` (int32 [4096] flags) has
-  // a non-zero entry on CUDA when an index does not fit int16; the CPU kernel raises instead.
+  // Record: L layers of top-k indices [L, T, K] (any integer dtype, any strides; a list of
+  // per-layer tensors is passed as one strided view when they share a buffer) -> [T, L, K]
+  // int16. With the layout's offsets (tp = cp = 1) the unpack is fused: [total_tokens, L, K], or
+  // [B, S, L, K] with attention_mask. `overflow` (int32 [4096] flags) has a non-zero entry on
+  // CUDA when an index does not fit int16; the CPU kernel raises instead.
   m.def(
-      "router_topk_record(Tensor[] indices, Tensor? cu_seqlens=None, Tensor? cu_seqlens_padded=None, "
+      "router_topk_record(Tensor indices, Tensor? cu_seqlens=None, Tensor? cu_seqlens_padded=None, "
       "SymInt total_tokens=0, Tensor? attention_mask=None) -> (Tensor routes, Tensor overflow)");
   // Replay: routes [total_tokens, L, K] (or [B, S, L, K] + attention_mask) -> this TP/CP rank's
   // int64 targets [L, local_rows / tp_size, K] and, with replay_mask, its packed bool flags.
   m.def(
       "router_topk_scatter(Tensor routes, Tensor cu_seqlens, Tensor cu_seqlens_padded, SymInt local_rows, "
-      "int tp_size=1, int tp_rank=0, int cp_size=1, int cp_rank=0, str cp_layout='zigzag', "
+      "int tp_size=1, int tp_rank=0, int cp_size=1, int cp_rank=0, int cp_layout=0, "
       "Tensor? attention_mask=None, Tensor? replay_mask=None) -> (Tensor targets, Tensor replay_mask_packed)");
   // --- end router replay ---
 
   // --- mla_forward_padded (OPS.md section 6) ---
   // THD attention for MLA head dims: q, k [T, H, Dqk], v [Tk, Hk, Dv] with Dv <= Dqk; equal to
   // attention with v zero-padded to Dqk and the output trimmed to Dv. Returns out [Tq, Hq, Dv]
-  // and softmax_lse [Hq, Tq] (float32; float64 for float64 inputs). backend: 'auto', 'padded',
-  // 'native'.
+  // and softmax_lse [Hq, Tq] (float32; float64 for float64 inputs). backend: 0 auto, 1 padded,
+  // 2 native.
   m.def(
       "mla_forward_padded(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, "
       "SymInt max_seqlen_q, SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, "
-      "str backend='auto') -> (Tensor out, Tensor softmax_lse)");
+      "int backend=0) -> (Tensor out, Tensor softmax_lse)");
   m.def(
       "mla_backward_padded(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, SymInt max_seqlen_q, "
-      "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, str backend='auto') "
+      "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, int backend=0) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // --- end mla_forward_padded ---
 }
 
-TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
-  m.impl("thd_layout", &verl_ops::ops::thd_layout);
-  m.impl("preprocess_thd", &verl_ops::ops::preprocess_thd_cpu);
-  m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cpu);
-  m.impl("jagged_gather", &verl_ops::ops::jagged_gather_cpu);
-  m.impl("jagged_scatter", &verl_ops::ops::jagged_scatter_cpu);
+STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
+  m.impl("thd_layout", VERL_BOX(&verl_ops::ops::thd_layout));
+  m.impl("preprocess_thd", VERL_BOX(&verl_ops::ops::preprocess_thd_cpu));
+  m.impl("postprocess_thd", VERL_BOX(&verl_ops::ops::postprocess_thd_cpu));
+  m.impl("jagged_gather", VERL_BOX(&verl_ops::ops::jagged_gather_cpu));
+  m.impl("jagged_scatter", VERL_BOX(&verl_ops::ops::jagged_scatter_cpu));
   // router replay
-  m.impl("router_topk_record", &verl_ops::ops::router_topk_record_cpu);
-  m.impl("router_topk_scatter", &verl_ops::ops::router_topk_scatter_cpu);
+  m.impl("router_topk_record", VERL_BOX(&verl_ops::ops::router_topk_record_cpu));
+  m.impl("router_topk_scatter", VERL_BOX(&verl_ops::ops::router_topk_scatter_cpu));
   // mla
-  m.impl("mla_forward_padded", &verl_ops::ops::mla_forward_padded_cpu);
-  m.impl("mla_backward_padded", &verl_ops::ops::mla_backward_padded_cpu);
-}
-
-TORCH_LIBRARY_IMPL(verl_ops, Meta, m) {
-  m.impl("thd_layout", TORCH_FN(verl_ops::ops::thd_layout_meta));
-  m.impl("preprocess_thd", TORCH_FN(verl_ops::ops::preprocess_thd_meta));
-  m.impl("postprocess_thd", TORCH_FN(verl_ops::ops::postprocess_thd_meta));
-  m.impl("jagged_gather", TORCH_FN(verl_ops::ops::jagged_gather_meta));
-  m.impl("jagged_scatter", TORCH_FN(verl_ops::ops::jagged_scatter_meta));
-  // router replay
-  m.impl("router_topk_record", TORCH_FN(verl_ops::ops::router_topk_record_meta));
-  m.impl("router_topk_scatter", TORCH_FN(verl_ops::ops::router_topk_scatter_meta));
-  // mla
-  m.impl("mla_forward_padded", TORCH_FN(verl_ops::ops::mla_forward_padded_meta));
-  m.impl("mla_backward_padded", TORCH_FN(verl_ops::ops::mla_backward_padded_meta));
+  m.impl("mla_forward_padded", VERL_BOX(&verl_ops::ops::mla_forward_padded_cpu));
+  m.impl("mla_backward_padded", VERL_BOX(&verl_ops::ops::mla_backward_padded_cpu));
 }
 
 #ifdef VERL_OPS_WITH_CUDA
-TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
-  m.impl("preprocess_thd", &verl_ops::ops::preprocess_thd_cuda);
-  m.impl("postprocess_thd", &verl_ops::ops::postprocess_thd_cuda);
-  m.impl("jagged_gather", &verl_ops::ops::jagged_gather_cuda);
-  m.impl("jagged_scatter", &verl_ops::ops::jagged_scatter_cuda);
+STABLE_TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
+  m.impl("preprocess_thd", VERL_BOX(&verl_ops::ops::preprocess_thd_cuda));
+  m.impl("postprocess_thd", VERL_BOX(&verl_ops::ops::postprocess_thd_cuda));
+  m.impl("jagged_gather", VERL_BOX(&verl_ops::ops::jagged_gather_cuda));
+  m.impl("jagged_scatter", VERL_BOX(&verl_ops::ops::jagged_scatter_cuda));
   // router replay
-  m.impl("router_topk_record", &verl_ops::ops::router_topk_record_cuda);
-  m.impl("router_topk_scatter", &verl_ops::ops::router_topk_scatter_cuda);
+  m.impl("router_topk_record", VERL_BOX(&verl_ops::ops::router_topk_record_cuda));
+  m.impl("router_topk_scatter", VERL_BOX(&verl_ops::ops::router_topk_scatter_cuda));
   // mla
-  m.impl("mla_forward_padded", &verl_ops::ops::mla_forward_padded_cuda);
-  m.impl("mla_backward_padded", &verl_ops::ops::mla_backward_padded_cuda);
+  m.impl("mla_forward_padded", VERL_BOX(&verl_ops::ops::mla_forward_padded_cuda));
+  m.impl("mla_backward_padded", VERL_BOX(&verl_ops::ops::mla_backward_padded_cuda));
 }
 #endif

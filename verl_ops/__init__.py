@@ -6,7 +6,8 @@ autograd, and drop-ins for verl (:mod:`verl_ops.integrations.verl`).
 
 import torch  # noqa: F401  (loads libtorch before our extension)
 
-from . import _C  # noqa: F401  (registers torch.ops.verl_ops)
+from . import _library  # noqa: F401  (loads _C, and _C_layers under torch >= 2.10)
+from . import _fake  # noqa: F401  (fake / Meta kernels)
 from ._jagged import jagged_gather, jagged_scatter
 from ._mla import mla_forward_padded
 from ._thd import postprocess_thd, preprocess_thd

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from ._validate import INT32_MAX, as_int, check_plain, host_values_required, is_meta
+
 _ops = torch.ops.verl_ops
 
 
@@ -68,8 +70,7 @@ def _check_index_tensors(op: str, src_starts, cu_seqlens_out) -> None:
         ("src_starts", src_starts, torch.int64),
         ("cu_seqlens_out", cu_seqlens_out, torch.int32),
     ):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t)}")
+        check_plain(op, name, t)
         if t.dtype != dtype or t.dim() != 1:
             raise ValueError(
                 f"{op}: {name} must be a 1-D {dtype} tensor, got {t.dtype} of shape {tuple(t.shape)}"
@@ -102,7 +103,7 @@ def _check_values_on_host(
         j = int(bad.nonzero()[0])
         raise RuntimeError(
             f"{op}: src_starts[{j}]={int(st[j])} with length {int(lens[j])} is outside the "
-            f"{pool_rows} source rows"
+            f"{pool_rows} rows of {'the output (total_in)' if scatter else 'values'}"
         )
     if int(cu[-1]) != gathered_rows:
         raise RuntimeError(
@@ -136,17 +137,27 @@ def jagged_gather(
         cu_seqlens_out: int32 ``[n + 1]``, prefix sums of the output lengths (starting at 0).
         total_out: ``cu_seqlens_out[-1]``; pass it to avoid reading it from a device tensor.
         validate: check index values on device tensors (a host read). Default: on, except under
-            torch.compile / CUDA-graph capture. CPU tensors are always checked.
+            torch.compile / CUDA-graph capture. CPU tensors are always checked; meta tensors
+            (shape inference) never are, and need ``total_out``.
 
     Returns:
         ``[total_out, *F]``. Differentiable in ``values`` (the backward accumulates, so repeated
         spans get the sum of their gradients).
     """
     op = "jagged_gather"
+    check_plain(op, "values", values)
     _check_index_tensors(op, src_starts, cu_seqlens_out)
     if total_out is None:
+        if is_meta(cu_seqlens_out):
+            raise host_values_required(
+                op, "cu_seqlens_out", "offsets", "pass total_out= (the output row count) for shape inference"
+            )
+        if cu_seqlens_out.shape[0] == 0:
+            raise ValueError(f"{op}: cu_seqlens_out must have at least one entry (it starts at 0)")
         total_out = int(cu_seqlens_out[-1])
-    if values.dim() >= 1 and not values.device.type == "cpu" and not _tracing(values):
+    elif not _tracing(values):
+        total_out = as_int(op, "total_out", total_out, lo=0, hi=INT32_MAX)
+    if values.dim() >= 1 and values.device.type not in ("cpu", "meta") and not _tracing(values):
         if validate is None or validate:
             _check_values_on_host(op, src_starts, cu_seqlens_out, total_out, values.shape[0], False)
     return _ops.jagged_gather(values, src_starts, cu_seqlens_out, total_out)
@@ -167,8 +178,11 @@ def jagged_scatter(
     Differentiable in ``grad`` (backward: :func:`jagged_gather`).
     """
     op = "jagged_scatter"
+    check_plain(op, "grad", grad)
     _check_index_tensors(op, src_starts, cu_seqlens_out)
-    if grad.dim() >= 1 and not grad.device.type == "cpu" and not _tracing(grad):
+    if not _tracing(grad):
+        total_in = as_int(op, "total_in", total_in, lo=0, hi=INT32_MAX)
+    if grad.dim() >= 1 and grad.device.type not in ("cpu", "meta") and not _tracing(grad):
         if validate is None or validate:
             _check_values_on_host(op, src_starts, cu_seqlens_out, grad.shape[0], total_in, True)
     return _ops.jagged_scatter(grad, src_starts, cu_seqlens_out, total_in)

@@ -3,7 +3,11 @@ head dims (value head dim Dv <= query/key head dim Dqk), with autograd (OPS.md s
 
 from __future__ import annotations
 
+import numbers
+
 import torch
+
+from ._validate import INT32_MAX, as_bool, as_int, check_plain, is_meta
 
 _ops = torch.ops.verl_ops
 
@@ -35,11 +39,21 @@ torch.library.register_autograd("verl_ops::mla_forward_padded", _backward, setup
 def _should_validate(validate, cu: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
         return False
+    if is_meta(cu):  # shape inference: no values to read
+        return False
     if cu.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     if validate is None:
         return not cu.is_cuda
     return bool(validate)
+
+
+def _host_int(v):
+    """A 0-d integer tensor (e.g. a ``max_seqlen`` kept as a tensor) as a Python int."""
+    if isinstance(v, torch.Tensor) and v.dim() == 0 and not is_meta(v):
+        if not (v.is_floating_point() or v.is_complex() or v.dtype == torch.bool):
+            return int(v)
+    return v
 
 
 def _validate_offsets(op: str, name: str, cu: torch.Tensor, rows: int, max_seqlen: int, max_name: str):
@@ -92,7 +106,7 @@ def mla_forward_padded(
             padded). On the CPU every backend runs the same exact reference.
         validate: check the offsets against the data on the host. Default: on when the offsets
             are CPU tensors; CUDA offsets are only checked with ``validate=True`` (a host sync),
-            as in FlashAttention.
+            as in FlashAttention. Meta offsets (shape inference) are never read.
 
     Returns:
         ``out [Tq, Hq, Dv]`` in q's dtype. With the padded backend and ``Dv < Dqk`` it is a view of
@@ -100,11 +114,19 @@ def mla_forward_padded(
         in q, k and v.
     """
     op = "mla_forward_padded"
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{op}: {name} must be a tensor, got {type(t)}")
+    tensors = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv))
+    for name, t in tensors:
+        check_plain(op, name, t)
+    if not torch.compiler.is_compiling():
+        max_seqlen_q = as_int(op, "max_seqlen_q", _host_int(max_seqlen_q), lo=0, hi=INT32_MAX)
+        max_seqlen_kv = as_int(op, "max_seqlen_kv", _host_int(max_seqlen_kv), lo=0, hi=INT32_MAX)
+        causal = as_bool(op, "causal", causal)
+        if softmax_scale is not None and (
+            isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+        ):
+            raise ValueError(f"{op}: softmax_scale must be a float or None, got {softmax_scale!r}")
     if _should_validate(validate, cu_seqlens_q):
         if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_kv.dtype != torch.int32:
             raise ValueError(
@@ -128,6 +150,6 @@ def mla_forward_padded(
         max_seqlen_kv,
         bool(causal),
         None if softmax_scale is None else float(softmax_scale),
-        backend,
+        BACKENDS.index(backend),
     )
     return out

@@ -7,6 +7,7 @@ import zlib
 
 import torch
 
+from ._validate import check_jagged, check_plain, is_meta
 from .layout import ThdLayout
 
 _ops = torch.ops.verl_ops
@@ -58,11 +59,14 @@ torch.library.register_autograd(
 
 # --------------------------------------------------------------------------------------------
 # Validation that needs the data's values (a host read when the data is on a GPU). Shapes are
-# always checked; values are checked eagerly unless validate=False, and never while tracing.
+# always checked; values are checked eagerly unless validate=False, and never while tracing or on
+# meta tensors (shape inference: there are no values to read).
 
 
 def _should_validate(validate, t: torch.Tensor) -> bool:
     if torch.compiler.is_compiling():
+        return False
+    if is_meta(t):
         return False
     if t.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
@@ -74,13 +78,22 @@ def _check_cp_rank(op: str, layout: ThdLayout, cp_rank) -> None:
         raise ValueError(f"{op}: cp_rank must be an int in [0, cp_size={layout.cp_size}), got {cp_rank!r}")
 
 
-def _check_mask_lengths(op: str, mask: torch.Tensor, layout: ThdLayout, validate) -> None:
+def _check_mask(op: str, mask, layout: ThdLayout) -> None:
+    """attention_mask's type, dtype and shape (no data read)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{op}: attention_mask must be a bool tensor [B, S], got {type(mask).__name__}")
+    if mask.is_nested:
+        raise ValueError(f"{op}: attention_mask must be a bool tensor [B, S], got a nested tensor")
     if mask.dtype != torch.bool:
         raise ValueError(f"{op}: attention_mask must be bool, got {mask.dtype}")
     if mask.dim() != 2 or mask.shape[0] != layout.batch_size:
         raise ValueError(
             f"{op}: attention_mask must be [B={layout.batch_size}, S], got shape {tuple(mask.shape)}"
         )
+
+
+def _check_mask_lengths(op: str, mask: torch.Tensor, layout: ThdLayout, validate) -> None:
+    _check_mask(op, mask, layout)
     if _should_validate(validate, mask):
         counts = mask.sum(dim=1).cpu()
         expected = torch.tensor(layout.lengths, dtype=counts.dtype)
@@ -95,11 +108,11 @@ def _check_mask_lengths(op: str, mask: torch.Tensor, layout: ThdLayout, validate
 def _nested_values(op: str, name: str, x: torch.Tensor, layout: ThdLayout, validate) -> torch.Tensor:
     """The values of jagged nested tensor ``x``, its sequence count and (when validating) its
     offsets checked against the layout's cu_seqlens."""
+    # The one nested-input check of every entry point (see verl_ops._validate.check_jagged).
+    check_jagged(op, name, x)
     if torch.compiler.is_compiling() or x.requires_grad:
         offsets, values = x.offsets(), x.values()
     else:
-        if x.layout != torch.jagged or getattr(x, "_lengths", None) is not None:
-            raise ValueError(f"{op}: {name} must be a contiguous jagged nested tensor (layout=torch.jagged)")
         # The same tensors as offsets() / values(), without their per-call dispatch cost.
         offsets, values = x._offsets, x._values
     if offsets.shape[0] - 1 != layout.batch_size:
@@ -107,6 +120,7 @@ def _nested_values(op: str, name: str, x: torch.Tensor, layout: ThdLayout, valid
     if (
         offsets is not layout.source_offsets
         and _should_validate(validate, values)
+        and not is_meta(offsets)
         and not torch.equal(offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64))
     ):
         raise ValueError(f"{op}: {name}'s offsets do not match the layout's cu_seqlens")
@@ -152,16 +166,20 @@ def preprocess_thd(
         layout: the micro-batch's :class:`ThdLayout`.
         cp_rank: this rank in the context-parallel group, ``0 <= cp_rank < layout.cp_size``.
         attention_mask: bool ``[B, S]``; valid tokens are ``x[i, attention_mask[i]]`` in order.
-        roll: next-token targets: padded position p holds token p+1, the last valid position
-            wraps to token 0. Position ids are not rolled.
+        roll: next-token targets, verl's rule per layout (README, "Decisions"): padded position
+            p holds token p+1; where the sequence wraps to token 0 and how position ids roll
+            follow verl's ``preprocess_thd_engine`` row for row.
         validate: compare the data's per-sequence lengths with the layout (reads them to the host
             when they live on a GPU). Default: on, except under torch.compile / CUDA-graph capture.
 
     Returns:
         ``packed [local_rows, *F]`` (x's dtype; zero in padding rows) and ``position_ids``
-        (int64 ``[local_rows]``: each row's position inside its padded sequence).
+        (int64 ``[local_rows]``: each valid row's position inside its sequence; padding rows 0,
+        except zigzag first-chunk rows, which keep their position, as verl writes them).
     """
     op = "preprocess_thd"
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: x must be a tensor (jagged nested, values or padded), got {type(x).__name__}")
     cu, cu_padded = _offsets_on(op, layout, x)
     _check_cp_rank(op, layout, cp_rank)
     if x.is_nested:
@@ -169,12 +187,12 @@ def preprocess_thd(
             raise ValueError(f"{op}: attention_mask is for padded input, not for a nested tensor")
         values = _nested_values(op, "x", x, layout, validate)
     elif attention_mask is not None:
+        _check_mask_lengths(op, attention_mask, layout, validate)
         if x.dim() < 2 or tuple(x.shape[:2]) != tuple(attention_mask.shape):
             raise ValueError(
                 f"{op}: padded x must be [B, S, *F] matching attention_mask {tuple(attention_mask.shape)}, "
                 f"got {tuple(x.shape)}"
             )
-        _check_mask_lengths(op, attention_mask, layout, validate)
         values = x
     else:
         values = x
@@ -189,7 +207,7 @@ def preprocess_thd(
         layout.local_rows,
         layout.cp_size,
         cp_rank,
-        layout.cp_layout,
+        layout.cp_layout_code,
         bool(roll),
         attention_mask,
     )
@@ -224,6 +242,7 @@ def postprocess_thd(
     Gradients flow to ``packed`` (each shard receives the pack of the output gradient).
     """
     op = "postprocess_thd"
+    check_plain(op, "packed", packed)
     cu, cu_padded = _offsets_on(op, layout, packed)
     _check_cp_rank(op, layout, cp_rank)
     if group is not None and layout.cp_size > 1:
@@ -246,7 +265,7 @@ def postprocess_thd(
             layout.total_tokens,
             layout.cp_size,
             -1 if layout.cp_size > 1 else 0,
-            layout.cp_layout,
+            layout.cp_layout_code,
             False,
             attention_mask,
         )
@@ -368,6 +387,6 @@ def _postprocess_over_group(op, packed, layout, cu, cu_padded, cp_rank, group, a
         layout.total_tokens,
         layout.cp_size,
         cp_rank,
-        layout.cp_layout,
+        layout.cp_layout_code,
         attention_mask,
     )

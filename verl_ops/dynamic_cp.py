@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._jagged import jagged_indices
+from ._validate import INT32_MAX, as_lengths, check_jagged, host_values_required, is_meta
 
 _ops = torch.ops.verl_ops
 
@@ -132,21 +133,24 @@ def plan_dynamic_cp(
 ) -> DynamicCPPlan:
     """The dynamic CP plan of a micro-batch with per-sequence ``lengths`` (see the module doc).
 
+    ``lengths``: a list of ints or a 1-D integer tensor (read to the host; not on the meta
+    device), every entry in ``[0, 2**31 - 1]``; floats and bools are rejected, not truncated.
     Raises ValueError when the longest sequence needs more than ``dp_size`` ranks.
     """
-    op = "dynamic_cp_split"
-    for name, v, lo in (("dp_size", dp_size, 1), ("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank, 1)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f"{op}: {name} must be an int >= {lo}, got {v!r}")
+    return _plan(
+        "plan_dynamic_cp", lengths, dp_size, max_seqlen_per_dp_cp_rank, dp_rank=dp_rank, assignment=assignment
+    )
+
+
+def _plan(op, lengths, dp_size, max_seqlen_per_dp_cp_rank, *, dp_rank, assignment) -> DynamicCPPlan:
+    for name, v in (("dp_size", dp_size), ("max_seqlen_per_dp_cp_rank", max_seqlen_per_dp_cp_rank)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= INT32_MAX:
+            raise ValueError(f"{op}: {name} must be an int >= 1 (and <= 2**31 - 1), got {v!r}")
     if isinstance(dp_rank, bool) or not isinstance(dp_rank, int) or not 0 <= dp_rank < dp_size:
         raise ValueError(f"{op}: dp_rank must be an int in [0, dp_size={dp_size}), got {dp_rank!r}")
-    if assignment not in ASSIGNMENTS:
+    if not isinstance(assignment, str) or assignment not in ASSIGNMENTS:
         raise ValueError(f"{op}: assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
-    if isinstance(lengths, torch.Tensor):
-        lengths = lengths.tolist()
-    lengths = tuple(int(n) for n in lengths)
-    if any(n < 0 for n in lengths):
-        raise ValueError(f"{op}: lengths must be >= 0, got {min(lengths)}")
+    lengths = tuple(as_lengths(op, "lengths", lengths))
     B = len(lengths)
     longest = max(lengths, default=0)
     need = _next_pow2(max(1, -(-longest // max_seqlen_per_dp_cp_rank)))
@@ -318,33 +322,20 @@ class _Item(NamedTuple):
     tensor: torch.Tensor
 
 
-def _lengths_of_nested(op: str, x: torch.Tensor) -> list:
-    if x.layout != torch.jagged:
-        raise ValueError(f"{op}: nested tensors must have layout=torch.jagged, got {x.layout}")
-    if getattr(x, "_lengths", None) is not None:
-        raise ValueError(f"{op}: nested tensors must be contiguous (no holes between sequences)")
-    return x.offsets().diff().tolist()
-
-
-def _as_lengths(op: str, lengths) -> list:
-    if isinstance(lengths, torch.Tensor):
-        if lengths.dim() != 1 or lengths.is_floating_point() or lengths.dtype == torch.bool:
-            raise ValueError(
-                f"{op}: lengths must be a 1-D integer tensor, got {lengths.dtype} {tuple(lengths.shape)}"
-            )
-        return lengths.tolist()
-    if not isinstance(lengths, Sequence) or any(
-        isinstance(n, bool) or not isinstance(n, int) for n in lengths
-    ):
-        raise ValueError(f"{op}: lengths must be a sequence of ints or a 1-D integer tensor")
-    return list(lengths)
+def _lengths_of_nested(op: str, name: str, x: torch.Tensor) -> list | None:
+    """The sequence lengths of jagged nested ``x``; None on the meta device (no values)."""
+    check_jagged(op, name, x)
+    offsets = x.offsets()
+    if is_meta(offsets):
+        return None
+    return offsets.diff().tolist()
 
 
 def _parse_batch(op: str, batch, lengths):
     """(items: dict name -> _Item, lengths list). A single tensor is stored under the name None."""
     single = not isinstance(batch, Mapping)
     entries = {None: batch} if single else dict(batch)
-    given = None if lengths is None else _as_lengths(op, lengths)
+    given = None if lengths is None else as_lengths(op, "lengths", lengths)
     found = None
     items = {}
     for name, t in entries.items():
@@ -352,8 +343,16 @@ def _parse_batch(op: str, batch, lengths):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{op}: {where} must be a tensor, got {type(t)}")
         if t.is_nested:
-            ls = _lengths_of_nested(op, t)
+            ls = _lengths_of_nested(op, where, t)
             items[name] = _Item("nested", t)
+            if ls is None:  # meta: only the sequence count is known; the lengths come from lengths=
+                if given is None:
+                    raise host_values_required(
+                        op, where, "lengths", "pass lengths= (host ints) with a meta nested batch"
+                    )
+                if t.size(0) != len(given):
+                    raise ValueError(f"{op}: {where} has {t.size(0)} sequences but lengths= has {len(given)}")
+                continue
         elif single:
             if given is None:
                 raise ValueError(f"{op}: a values tensor [total, *F] needs lengths=")
@@ -498,8 +497,8 @@ def dynamic_cp_split(
     error, plan, parsed = None, None, None
     try:
         parsed = _parse_batch(op, batch, lengths)
-        plan = plan_dynamic_cp(
-            parsed[1], dp_size, max_seqlen_per_dp_cp_rank, dp_rank=dp_rank, assignment=assignment
+        plan = _plan(
+            op, parsed[1], dp_size, max_seqlen_per_dp_cp_rank, dp_rank=dp_rank, assignment=assignment
         )
     except Exception as e:  # every rank still joins the exchange below; re-raised after it
         error = e
@@ -549,10 +548,13 @@ def _output_parts(op: str, out, lengths):
     if out.is_nested:
         if lengths is not None:
             raise ValueError(f"{op}: lengths= is for a values tensor, not for a nested tensor")
-        return out.values(), _lengths_of_nested(op, out), True
+        ls = _lengths_of_nested(op, "outputs", out)
+        if ls is None:  # meta: the count is known, the lengths are not (shape inference only)
+            ls = [None] * out.size(0)
+        return out.values(), ls, True
     if lengths is None:
         raise ValueError(f"{op}: a values tensor [rows, *F] needs lengths=")
-    ls = _as_lengths(op, lengths)
+    ls = as_lengths(op, "lengths", lengths)
     if out.dim() < 1 or out.shape[0] != sum(ls):
         raise ValueError(f"{op}: values must be [sum(lengths)={sum(ls)}, *F], got {tuple(out.shape)}")
     return out, ls, False
@@ -611,7 +613,11 @@ def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
     if G == 1 or groups is None:
         if error is not None:
             raise error
+        if nested and is_meta(out.offsets()):
+            return out.detach()  # shape inference: the same sequences, nothing to reorder
         return _finish(values.detach(), ls, nested)
+    if error is None and is_meta(values):
+        error = ValueError(f"{op}: outputs on the meta device cannot be gathered across {G} CP groups")
 
     mg = groups.merge_group(plan.local_cp_size)
     device = groups.device

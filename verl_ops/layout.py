@@ -3,31 +3,25 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
+from ._validate import INT32_MAX, as_bool, as_int, check_jagged, host_values_required, is_meta, lengths_tensor
+
 CP_LAYOUTS = ("zigzag", "contiguous")
+# The raw ops take cp_layout as an int (the stable ABI has no str arguments at torch 2.9).
+CP_LAYOUT_CODES = {name: code for code, name in enumerate(CP_LAYOUTS)}
 
 
-def _lengths_to_cpu(lengths, op: str = "ThdLayout.from_lengths") -> torch.Tensor:
-    if isinstance(lengths, torch.Tensor):
-        if lengths.dim() != 1:
-            raise ValueError(f"{op}: lengths must be 1-D, got shape {tuple(lengths.shape)}")
-        if lengths.is_floating_point() or lengths.is_complex() or lengths.dtype == torch.bool:
-            raise ValueError(f"{op}: lengths must be integers, got {lengths.dtype}")
-        # The one host synchronisation of the data path: layout sizes decide output shapes.
-        return lengths.detach().to("cpu", torch.int64)
-    if not isinstance(lengths, Sequence):
-        raise ValueError(
-            f"{op}: lengths must be a list of ints or a 1-D tensor, got {type(lengths)}"
-        )
-    for i, v in enumerate(lengths):
-        if isinstance(v, bool) or not isinstance(v, int):
-            raise ValueError(f"{op}: lengths[{i}] must be an int, got {v!r}")
-    return torch.tensor(list(lengths), dtype=torch.int64)
+def _check_rules(op: str, cp_layout, tp_size, cp_size) -> tuple[int, int]:
+    if not isinstance(cp_layout, str) or cp_layout not in CP_LAYOUTS:
+        raise ValueError(f"{op}: cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
+    return (
+        as_int(op, "tp_size", tp_size, lo=1, hi=INT32_MAX),
+        as_int(op, "cp_size", cp_size, lo=1, hi=INT32_MAX),
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -70,6 +64,11 @@ class ThdLayout:
     # packing that same nested tensor needs no re-validation of its offsets.
     source_offsets: torch.Tensor | None = field(default=None, repr=False)
 
+    @property
+    def cp_layout_code(self) -> int:
+        """``cp_layout`` as the raw ops take it: 0 = zigzag, 1 = contiguous."""
+        return CP_LAYOUT_CODES[self.cp_layout]
+
     @classmethod
     def from_lengths(
         cls,
@@ -85,26 +84,31 @@ class ThdLayout:
     ) -> ThdLayout:
         """Apply verl's THD alignment rules (OPS.md section 1) to per-sequence lengths.
 
-        ``lengths`` may be a list of ints, a CPU tensor or a device tensor (read once to the
-        host). The offset tensors live on ``device`` (default: the device of ``lengths`` when it
-        is a tensor, else CPU).
+        ``lengths`` may be a list of ints, a CPU tensor or a device tensor of an integer dtype
+        (read once to the host); every length must be an int in ``[0, 2**31 - 1]`` — floats,
+        bools and strings are rejected, never converted (see :mod:`verl_ops._validate`). The
+        offset tensors live on ``device`` (default: the device of ``lengths`` when it is a tensor,
+        else CPU).
+
+        Meta device: the layout's sizes are decided by the lengths' *values*, so lengths on the
+        meta device raise a ``ValueError`` ("needs host lengths"). For shape inference build the
+        layout from host lengths with ``device="meta"``: every op then runs on meta inputs.
         """
-        if cp_layout not in CP_LAYOUTS:
-            raise ValueError(f"ThdLayout.from_lengths: cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
-        for name, v in (("tp_size", tp_size), ("cp_size", cp_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"ThdLayout.from_lengths: {name} must be an int >= 1, got {v!r}")
-        if pad_to_length_bucket is not None and pad_to_length_bucket <= 0:
-            raise ValueError(
-                f"ThdLayout.from_lengths: pad_to_length_bucket must be a positive integer, got {pad_to_length_bucket}"
+        op = "ThdLayout.from_lengths"
+        tp_size, cp_size = _check_rules(op, cp_layout, tp_size, cp_size)
+        fp8_padding = as_bool(op, "fp8_padding", fp8_padding)
+        if pad_to_length_bucket is not None:
+            pad_to_length_bucket = as_int(
+                op, "pad_to_length_bucket", pad_to_length_bucket, lo=1, hi=INT32_MAX
             )
-        if min_local_rows is not None and min_local_rows < 0:
-            raise ValueError(f"ThdLayout.from_lengths: min_local_rows must be >= 0, got {min_local_rows}")
+        if min_local_rows is not None:
+            min_local_rows = as_int(op, "min_local_rows", min_local_rows, lo=0, hi=INT32_MAX)
         if device is None:
             device = lengths.device if isinstance(lengths, torch.Tensor) else torch.device("cpu")
-        host = _lengths_to_cpu(lengths)
+        # The one host synchronisation of the data path: layout sizes decide output shapes.
+        host = lengths_tensor(op, "lengths", lengths)
         cu, cu_padded = torch.ops.verl_ops.thd_layout(
-            host, tp_size, cp_size, cp_layout, bool(fp8_padding), min_local_rows, pad_to_length_bucket
+            host, tp_size, cp_size, CP_LAYOUT_CODES[cp_layout], fp8_padding, min_local_rows, pad_to_length_bucket
         )
         factor = 2 if (cp_layout == "zigzag" and cp_size > 1) else 1
         align = tp_size * cp_size * factor
@@ -118,7 +122,7 @@ class ThdLayout:
             tp_size=tp_size,
             cp_size=cp_size,
             cp_layout=cp_layout,
-            fp8_padding=bool(fp8_padding),
+            fp8_padding=fp8_padding,
             min_local_rows=min_local_rows,
             pad_to_length_bucket=pad_to_length_bucket,
             align=align,
@@ -139,21 +143,23 @@ class ThdLayout:
         For offsets produced elsewhere (e.g. a ``PackedSeqParams.cu_seqlens_q_padded`` built by
         another packer): the padding is taken as given and only checked to be a valid layout
         (every sequence fits its padded slot, total divisible by ``cp_size``, zigzag halves
-        whole). The offset tensors live on ``cu_seqlens_padded``'s device.
+        whole). The offset tensors live on ``cu_seqlens_padded``'s device. Both arguments are
+        read on the host: meta tensors raise a ``ValueError`` ("needs host ..."), as in
+        :meth:`from_lengths`.
         """
         op = "ThdLayout.from_padded_offsets"
-        if cp_layout not in CP_LAYOUTS:
-            raise ValueError(f"{op}: cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
-        for name, v in (("tp_size", tp_size), ("cp_size", cp_size)):
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"{op}: {name} must be an int >= 1, got {v!r}")
-        if not isinstance(cu_seqlens_padded, torch.Tensor) or cu_seqlens_padded.dim() != 1:
-            raise ValueError(f"{op}: cu_seqlens_padded must be a 1-D tensor")
-        if cu_seqlens_padded.is_floating_point() or cu_seqlens_padded.dtype == torch.bool:
-            raise ValueError(f"{op}: cu_seqlens_padded must be integers, got {cu_seqlens_padded.dtype}")
-        lens = _lengths_to_cpu(lengths, op)
-        if bool((lens < 0).any()):
-            raise ValueError(f"{op}: lengths must be >= 0, got {lens.tolist()}")
+        tp_size, cp_size = _check_rules(op, cp_layout, tp_size, cp_size)
+        cu_in = cu_seqlens_padded
+        if not isinstance(cu_in, torch.Tensor):
+            raise TypeError(f"{op}: cu_seqlens_padded must be a 1-D integer tensor, got {type(cu_in).__name__}")
+        if cu_in.is_nested or cu_in.dim() != 1:
+            what = "a nested tensor" if cu_in.is_nested else f"shape {tuple(cu_in.shape)}"
+            raise ValueError(f"{op}: cu_seqlens_padded must be a 1-D integer tensor, got {what}")
+        if cu_in.is_floating_point() or cu_in.is_complex() or cu_in.dtype == torch.bool:
+            raise ValueError(f"{op}: cu_seqlens_padded must be integers, got {cu_in.dtype}")
+        lens = lengths_tensor(op, "lengths", lengths)
+        if is_meta(cu_seqlens_padded):
+            raise host_values_required(op, "cu_seqlens_padded", "offsets")
         cu_padded64 = cu_seqlens_padded.detach().to("cpu", torch.int64)
         B = lens.numel()
         if cu_padded64.numel() != B + 1:
@@ -161,11 +167,21 @@ class ThdLayout:
                 f"{op}: cu_seqlens_padded has {cu_padded64.numel()} entries but the batch has {B} "
                 f"sequences (expected {B + 1})"
             )
+        if int(cu_padded64[0]) != 0:
+            raise ValueError(f"{op}: cu_seqlens_padded must start at 0, got {int(cu_padded64[0])}")
         padded = cu_padded64[1:] - cu_padded64[:-1]
-        if int(cu_padded64[0]) != 0 or bool((padded < lens).any()):
+        if bool((padded < 0).any()):
+            i = int((padded < 0).nonzero()[0])
             raise ValueError(
-                f"{op}: cu_seqlens_padded {cu_padded64.tolist()} does not fit the sequence lengths "
-                f"{lens.tolist()}"
+                f"{op}: cu_seqlens_padded must be non-decreasing, got {int(cu_padded64[i])} then "
+                f"{int(cu_padded64[i + 1])} at index {i}"
+            )
+        if bool((padded < lens).any()):
+            i = int((padded < lens).nonzero()[0])
+            raise ValueError(
+                f"{op}: cu_seqlens_padded does not fit the lengths: sequence {i} has {int(padded[i])} "
+                f"padded rows but lengths[{i}] is {int(lens[i])} (cu_seqlens_padded "
+                f"{cu_padded64.tolist()}, lengths {lens.tolist()})"
             )
         total_padded = int(cu_padded64[-1])
         if total_padded > 2**31 - 1:
@@ -221,10 +237,14 @@ class ThdLayout:
         """Layout of a jagged nested tensor's sequences (same keyword arguments as from_lengths).
 
         The layout remembers ``x``'s offsets, so preprocess_thd(x, layout) skips re-checking them.
+        ``x`` must be a ``torch.jagged`` nested tensor without holes (a strided nested tensor or
+        one with offsets plus lengths is rejected), with its offsets off the meta device.
         """
-        if not (isinstance(x, torch.Tensor) and x.is_nested):
-            raise ValueError(f"ThdLayout.from_nested: x must be a jagged nested tensor, got {type(x)}")
+        op = "ThdLayout.from_nested"
+        check_jagged(op, "x", x)
         offsets = x.offsets()
+        if is_meta(offsets):
+            raise host_values_required(op, "x", "offsets")
         layout = cls.from_lengths(offsets.diff(), **kwargs)
         object.__setattr__(layout, "source_offsets", offsets)
         return layout

@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from ._thd import _as_nested, _check_mask_lengths, _nested_values, _offsets_on, _should_validate
+from ._thd import _as_nested, _check_mask, _check_mask_lengths, _nested_values, _offsets_on, _should_validate
+from . import _library
 from .layout import ThdLayout
 
 _ops = torch.ops.verl_ops
@@ -50,26 +51,67 @@ _ops = torch.ops.verl_ops
 __all__ = ["merge_router_topk", "scatter_router_topk"]
 
 
+# dtype names as the C++ messages print them.
+_ATEN_NAMES = {torch.uint8: "Byte", torch.int8: "Char", torch.int16: "Short", torch.int32: "Int", torch.int64: "Long"}
+
+
 def _layer_list(op: str, indices):
-    """(list for the op, L, rows per layer, K, device) of a list of [T, K] or one [L, T, K]."""
+    """(layers for _record, L, rows per layer, K, device) of a list of [T, K] or one [L, T, K]
+    (any strides). A list goes to router_topk_record_layers as it is (torch >= 2.10; list
+    arguments need that stable ABI), else it is stacked into one [L, T, K] tensor."""
     if isinstance(indices, torch.Tensor):
-        if indices.is_nested or indices.dim() != 3:
+        if indices.is_nested:
+            raise ValueError(
+                f"{op}: indices must be a list of L tensors [T_local_sp, K] or one [L, T_local_sp, K] "
+                "tensor, got a nested tensor"
+            )
+        if indices.dim() != 3:
             raise ValueError(
                 f"{op}: indices must be a list of L tensors [T_local_sp, K] or one [L, T_local_sp, K] "
                 "tensor, "
                 f"got shape {tuple(indices.shape)}"
             )
-        return [indices], indices.shape[0], indices.shape[1], indices.shape[2], indices.device
+        return indices, indices.shape[0], indices.shape[1], indices.shape[2], indices.device
     if not isinstance(indices, (list, tuple)) or len(indices) == 0:
         raise ValueError(
             f"{op}: indices must be a non-empty list of [T_local_sp, K] tensors, got {type(indices)}"
         )
     for i, t in enumerate(indices):
+        if isinstance(t, torch.Tensor) and t.is_nested:
+            raise ValueError(f"{op}: indices[{i}] must be a [T_local_sp, K] tensor, got a nested tensor")
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)
             raise ValueError(f"{op}: indices[{i}] must be a [T_local_sp, K] tensor, got {shape}")
     first = indices[0]
-    return list(indices), len(indices), first.shape[0], first.shape[1], first.device
+    if _library.HAS_LAYERS:  # router_topk_record_layers checks dtypes, devices and sizes itself
+        return list(indices), len(indices), first.shape[0], first.shape[1], first.device
+    rec = "router_topk_record"  # the same checks and words as router_topk_record_layers
+    for i, t in enumerate(indices):
+        if t.dtype != first.dtype:
+            raise RuntimeError(
+                f"{rec}: indices[{i}] is {_ATEN_NAMES.get(t.dtype, t.dtype)} but indices[0] is "
+                f"{_ATEN_NAMES.get(first.dtype, first.dtype)}; every layer must have the same dtype"
+            )
+        if t.device != first.device:
+            raise RuntimeError(f"{rec}: indices[{i}] is on {t.device} but indices[0] is on {first.device}")
+        if t.shape[1] != first.shape[1]:
+            raise RuntimeError(
+                f"{rec}: indices[{i}] has top-k {t.shape[1]} but indices[0] has {first.shape[1]}; "
+                "K must be the same in every layer"
+            )
+        if t.shape[0] != first.shape[0]:
+            raise RuntimeError(
+                f"{rec}: indices[{i}] has {t.shape[0]} rows but indices[0] has {first.shape[0]}; "
+                "every layer records the same tokens"
+            )
+    return torch.stack(list(indices)), len(indices), first.shape[0], first.shape[1], first.device
+
+
+def _record(layers, *args):
+    """router_topk_record on one [L, T, K] tensor, or on a list of [T, K] read in place."""
+    if isinstance(layers, list):
+        return _ops.router_topk_record_layers(layers, *args)
+    return _ops.router_topk_record(layers, *args)
 
 
 def _rows_per_tp_rank(op: str, layout: ThdLayout) -> int:
@@ -203,7 +245,7 @@ def merge_router_topk(
     error = overflow = None
     try:
         layer_list, num_layers, rows, topk, device = _layer_list(op, indices)
-        cu, cu_padded = _offsets_on(op, layout, layer_list[0])
+        cu, cu_padded = _offsets_on(op, layout, indices if isinstance(indices, torch.Tensor) else indices[0])
         rows_sp = _rows_per_tp_rank(op, layout)
         if rows != rows_sp:
             raise ValueError(
@@ -213,7 +255,7 @@ def merge_router_topk(
         if attention_mask is not None:
             _check_mask_lengths(op, attention_mask, layout, validate)
         if multi:
-            local, overflow = _ops.router_topk_record(layer_list)
+            local, overflow = _record(layer_list)
     except Exception as e:  # every rank still joins the exchange below; re-raised after it
         if not exchange:
             raise
@@ -221,9 +263,7 @@ def merge_router_topk(
     if exchange:
         _agree(op, layout, [g for g, size in ((tp_group, tp), (cp_group, cp)) if size > 1], overflow, error)
     if not multi:
-        routes, overflow = _ops.router_topk_record(
-            layer_list, cu, cu_padded, layout.total_tokens, attention_mask
-        )
+        routes, overflow = _record(layer_list, cu, cu_padded, layout.total_tokens, attention_mask)
         if _should_validate(validate, overflow) and overflow.is_cuda and bool(overflow.any()):
             raise RuntimeError(
                 f"{op}: indices hold values outside the int16 range [-32768, 32767]; router replay stores "
@@ -246,7 +286,7 @@ def merge_router_topk(
             layout.total_tokens,
             cp,
             -1 if cp > 1 else 0,
-            layout.cp_layout,
+            layout.cp_layout_code,
             False,
             attention_mask,
         ).view(torch.int16)
@@ -297,14 +337,20 @@ def scatter_router_topk(
     """
     op = "scatter_router_topk"
     if not isinstance(routes, torch.Tensor):
-        raise ValueError(f"{op}: routes must be a tensor, got {type(routes)}")
+        raise TypeError(f"{op}: routes must be a tensor, got {type(routes).__name__}")
     cu, cu_padded = _offsets_on(op, layout, routes)
     for name, v, size in (("tp_rank", tp_rank, layout.tp_size), ("cp_rank", cp_rank, layout.cp_size)):
         if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < size:
             raise ValueError(f"{op}: {name} must be an int in [0, {size}), got {v!r}")
     _rows_per_tp_rank(op, layout)
     if attention_mask is not None:
-        if routes.is_nested or routes.dim() != 4 or tuple(routes.shape[:2]) != tuple(attention_mask.shape):
+        # The mask first, so a wrong mask (e.g. 0-d) is reported as the mask's error.
+        _check_mask(op, attention_mask, layout)
+        if routes.is_nested:
+            raise ValueError(
+                f"{op}: attention_mask is for padded routes [B, S, L, K], not for a nested tensor"
+            )
+        if routes.dim() != 4 or tuple(routes.shape[:2]) != tuple(attention_mask.shape):
             raise ValueError(
                 f"{op}: padded routes must be [B, S, L, K] matching attention_mask "
                 f"{tuple(attention_mask.shape)}, got {tuple(routes.shape)}"
@@ -332,7 +378,7 @@ def scatter_router_topk(
         tp_rank,
         layout.cp_size,
         cp_rank,
-        layout.cp_layout,
+        layout.cp_layout_code,
         attention_mask,
         replay_mask,
     )

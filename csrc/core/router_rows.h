@@ -34,7 +34,7 @@ struct RouterRecordPlan {
 };
 
 VERL_HD int64_t router_record_source_row(const RouterRecordPlan& p, int64_t out_row) {
-  return p.fused ? unpack_source_row(p.unpack, out_row) : out_row;
+  return p.fused ? unpack_source_row</*kMayRoll=*/false>(p.unpack, out_row) : out_row;
 }
 
 struct RouterScatterPlan {

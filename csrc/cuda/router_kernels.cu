@@ -89,6 +89,42 @@ struct DivCursor {
 // latency even for 16-byte int16 units.
 constexpr int kUnroll = 4;
 
+// The block's 8-index units u = threadIdx.x, + kBlock, ... < units, kUnroll loads in flight:
+// locate(u, &src, &slot) names a unit's source (nullptr: zeros) and its staging slot, in order of
+// u; store(slot, v) stages it. Shared by the record and replay kernels.
+template <typename T, typename Locate, typename Store>
+__device__ __forceinline__ void load_and_stage(int32_t units, Locate&& locate, Store&& store) {
+  int32_t u = threadIdx.x;
+  for (; u + (kUnroll - 1) * kBlock < units; u += kUnroll * kBlock) {
+    alignas(16) T v[kUnroll][8];
+    int32_t slot[kUnroll];
+#pragma unroll
+    for (int q = 0; q < kUnroll; ++q) {
+      const T* src;
+      locate(u + q * kBlock, &src, &slot[q]);
+      if (src != nullptr) {
+        load8(src, v[q]);
+      } else {
+        zero8(v[q]);
+      }
+    }
+#pragma unroll
+    for (int q = 0; q < kUnroll; ++q) store(slot[q], v[q]);
+  }
+  for (; u < units; u += kBlock) {
+    alignas(16) T v[8];
+    const T* src;
+    int32_t slot;
+    locate(u, &src, &slot);
+    if (src != nullptr) {
+      load8(src, v);
+    } else {
+      zero8(v);
+    }
+    store(slot, v);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
     record_kernel(core::RouterRecordPlan plan, LayerTable table, int32_t nl, int32_t layer0,
@@ -136,37 +172,13 @@ __global__ void __launch_bounds__(kBlock)
         return *reinterpret_cast<const uint4*>(o);
       };
       DivCursor cur(threadIdx.x, kBlock, n);
-      int32_t u = threadIdx.x;
-      for (; u + (kUnroll - 1) * kBlock < units; u += kUnroll * kBlock) {
-        alignas(16) T v[kUnroll][8];
-        int32_t slot[kUnroll];
-#pragma unroll
-        for (int q = 0; q < kUnroll; ++q) {
-          const T* src;
-          locate(cur, &src, &slot[q]);
-          cur.advance();
-          if (src != nullptr) {
-            load8(src, v[q]);
-          } else {
-            zero8(v[q]);
-          }
-        }
-#pragma unroll
-        for (int q = 0; q < kUnroll; ++q) stage[slot[q]] = convert(v[q]);
-      }
-      for (; u < units; u += kBlock) {
-        alignas(16) T v[8];
-        const T* src;
-        int32_t slot;
-        locate(cur, &src, &slot);
-        cur.advance();
-        if (src != nullptr) {
-          load8(src, v);
-        } else {
-          zero8(v);
-        }
-        stage[slot] = convert(v);
-      }
+      load_and_stage<T>(
+          units,
+          [&](int32_t, const T** src, int32_t* slot) {  // units come in order: the cursor follows
+            locate(cur, src, slot);
+            cur.advance();
+          },
+          [&](int32_t slot, const T* v) { stage[slot] = convert(v); });
       __syncthreads();
       DivCursor wc(threadIdx.x, kBlock, row_units);  // w = r * row_units + x
       for (int32_t w = threadIdx.x; w < units; w += kBlock, wc.advance()) {
@@ -226,7 +238,6 @@ __global__ void __launch_bounds__(kBlock)
       const int32_t pitch_vecs = row_units * kUnitVecs + 1;
       const int32_t units = n * row_units;
       const int64_t src_row_units = static_cast<int64_t>(num_layers) * kc;
-      int32_t u = threadIdx.x;
       auto locate = [&](int32_t uu, const T** src, int32_t* slot) {
         const int32_t r = uu / row_units;
         const int32_t x = uu - r * row_units;
@@ -239,34 +250,7 @@ __global__ void __launch_bounds__(kBlock)
 #pragma unroll
         for (int i = 0; i < kUnitVecs; ++i) stage[slot + i] = pv[i];
       };
-      for (; u + (kUnroll - 1) * kBlock < units; u += kUnroll * kBlock) {
-        alignas(16) T v[kUnroll][8];
-        int32_t slot[kUnroll];
-#pragma unroll
-        for (int q = 0; q < kUnroll; ++q) {
-          const T* src;
-          locate(u + q * kBlock, &src, &slot[q]);
-          if (src != nullptr) {
-            load8(src, v[q]);
-          } else {
-            zero8(v[q]);
-          }
-        }
-#pragma unroll
-        for (int q = 0; q < kUnroll; ++q) put(slot[q], v[q]);
-      }
-      for (; u < units; u += kBlock) {
-        alignas(16) T v[8];
-        const T* src;
-        int32_t slot;
-        locate(u, &src, &slot);
-        if (src != nullptr) {
-          load8(src, v);
-        } else {
-          zero8(v);
-        }
-        put(slot, v);
-      }
+      load_and_stage<T>(units, locate, put);
       __syncthreads();
       // Each thread stores one 16-byte vector (two int64 targets), so every store instruction
       // of a warp covers 512 contiguous bytes: whole sectors, no partial writes.

@@ -6,40 +6,37 @@
 //          except the rows put back where the gather took them from (the spans must be disjoint).
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include "../core/thd_rows.h"
+#include "stable.h"
 
 namespace verl_ops {
 namespace ops {
 
+using st::Tensor;
+
 struct JaggedCall {
-  at::Tensor src;  // contiguous
-  at::Tensor src_starts, cu_out;
+  Tensor src;  // contiguous
+  Tensor src_starts, cu_out;
+  Tensor out;
   core::JaggedGatherPlan plan;
-  int64_t row_bytes;
-  int64_t gathered_rows;  // rows of the gather's output side (the rows a kernel walks)
+  int64_t row_bytes = 0;
+  int64_t gathered_rows = 0;  // rows of the gather's output side (the rows a kernel walks)
 };
 
-// Checks the arguments (their values too when they live on the CPU), allocates `out` and builds
-// the plan. One implementation for both directions and both devices.
-JaggedCall prepare_jagged(const char* op, const at::Tensor& values, const at::Tensor& src_starts,
-                          const at::Tensor& cu_seqlens_out, int64_t total, bool scatter,
-                          at::Tensor* out);
+// Checks the arguments (their values too when they live on the CPU), allocates the output and
+// builds the plan. One implementation for both directions and both devices.
+JaggedCall prepare_jagged(const char* op, const Tensor& values, const Tensor& src_starts,
+                          const Tensor& cu_seqlens_out, int64_t total, bool scatter);
 
-at::Tensor jagged_gather_cpu(const at::Tensor& values, const at::Tensor& src_starts,
-                             const at::Tensor& cu_seqlens_out, int64_t total_out);
-at::Tensor jagged_scatter_cpu(const at::Tensor& grad, const at::Tensor& src_starts,
-                              const at::Tensor& cu_seqlens_out, int64_t total_in);
-at::Tensor jagged_gather_meta(const at::Tensor& values, const at::Tensor& src_starts,
-                              const at::Tensor& cu_seqlens_out, c10::SymInt total_out);
-at::Tensor jagged_scatter_meta(const at::Tensor& grad, const at::Tensor& src_starts,
-                               const at::Tensor& cu_seqlens_out, c10::SymInt total_in);
+Tensor jagged_gather_cpu(const Tensor& values, const Tensor& src_starts,
+                         const Tensor& cu_seqlens_out, int64_t total_out);
+Tensor jagged_scatter_cpu(const Tensor& grad, const Tensor& src_starts,
+                          const Tensor& cu_seqlens_out, int64_t total_in);
 #ifdef VERL_OPS_WITH_CUDA
-at::Tensor jagged_gather_cuda(const at::Tensor& values, const at::Tensor& src_starts,
-                              const at::Tensor& cu_seqlens_out, int64_t total_out);
-at::Tensor jagged_scatter_cuda(const at::Tensor& grad, const at::Tensor& src_starts,
-                               const at::Tensor& cu_seqlens_out, int64_t total_in);
+Tensor jagged_gather_cuda(const Tensor& values, const Tensor& src_starts,
+                          const Tensor& cu_seqlens_out, int64_t total_out);
+Tensor jagged_scatter_cuda(const Tensor& grad, const Tensor& src_starts,
+                           const Tensor& cu_seqlens_out, int64_t total_in);
 #endif
 
 }  // namespace ops

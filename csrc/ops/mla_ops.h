@@ -1,89 +1,120 @@
 // mla_forward_padded / mla_backward_padded: variable-length (THD) attention for MLA head dims
-// (Dv <= Dqk), OPS.md section 6. Argument checks, backend choice, output layout; CPU and Meta
-// implementations here, CUDA in mla_ops_cuda.cpp.
+// (Dv <= Dqk), OPS.md section 6. Argument checks, backend choice, output layout and the CPU
+// implementation here (mla_ops.cpp), CUDA in mla_ops_cuda.cpp. The fake (Meta) kernels live in
+// Python (verl_ops/_fake.py) and mirror the checks and the layout rule below.
+//
+// Output layout rule (what the fake kernels must mirror):
+//   backend = resolve_mla_backend(...)  (a function of the shapes, causal and shares_offsets only)
+//   if backend == kPadded and Dv < Dqk:
+//     out    [Tq, Hq, Dv] is out_buf[:, :, :Dv] of a fresh contiguous [Tq, Hq, Dqk] buffer
+//            (strides (Hq * Dqk, Dqk, 1), storage offset 0);
+//     grad_v [Tk, Hk, Dv] is likewise the [.., :Dv] view of a contiguous [Tk, Hk, Dqk] buffer;
+//   otherwise (native, or Dv == Dqk): out / grad_v are contiguous [T, H, Dv].
+//   softmax_lse is a contiguous [Hq, Tq] (float32; float64 for float64 inputs, CPU only);
+//   grad_q [Tq, Hq, Dqk] and grad_k [Tk, Hk, Dqk] are always contiguous.
+// This holds on every device (the CPU runs one reference for all backends but returns the chosen
+// backend's layout), including the empty cases (Tq == 0, Tk == 0 or B == 0).
 #pragma once
 
-#include <ATen/ATen.h>
-
+#include <cstdint>
 #include <optional>
-#include <string>
 #include <tuple>
+
+#include "stable.h"
 
 namespace verl_ops {
 namespace ops {
 
-enum class MlaBackend { kPadded, kNative };
+using st::Tensor;
 
-// Sizes of a checked call (symbolic under torch.compile).
+// The raw ops' int backend argument (the stable ABI has no str at 2.9; Python maps the names).
+enum class MlaBackend { kPadded, kNative };
+constexpr int64_t kMlaBackendAuto = 0;
+constexpr int64_t kMlaBackendPadded = 1;
+constexpr int64_t kMlaBackendNative = 2;
+
+// Sizes of a checked call.
 struct MlaSizes {
-  c10::SymInt tq, tk, hq, hk, dqk, dv, batch;
+  int64_t tq, tk, hq, hk, dqk, dv, batch;
 };
 
 // Shape / dtype / device checks shared by every implementation (no data reads).
-MlaSizes check_mla_args(const char* op, const at::Tensor& q, const at::Tensor& k,
-                        const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-                        const at::Tensor& cu_seqlens_kv, const c10::SymInt& max_seqlen_q,
-                        const c10::SymInt& max_seqlen_kv,
+MlaSizes check_mla_args(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+                        const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv,
+                        int64_t max_seqlen_q, int64_t max_seqlen_kv,
                         const std::optional<double>& softmax_scale);
 
-// The backend a call runs on. A function of the shapes only, so the Meta kernel knows the output
-// layout: "padded" returns out (and grad_v) as a [.., :Dv] view of a [T, H, Dqk] buffer when
-// Dv < Dqk; "native" returns contiguous tensors.
+// Checks of the backward's extra inputs (grad_out, out, softmax_lse) against the forward sizes.
+void check_mla_backward_args(const char* op, const Tensor& grad_out, const Tensor& out,
+                             const Tensor& softmax_lse, const Tensor& q, const MlaSizes& s);
+
+// The backend a call runs on (backend: 0 auto, 1 padded, 2 native). A function of the shapes
+// only, so the fake kernel knows the output layout (see the rule at the top of this file).
 // same_offsets: q and kv use one cu_seqlens tensor (self-attention, as Megatron passes it),
 // which lets the native backend take ragged causal batches (see shares_offsets).
-MlaBackend resolve_mla_backend(const char* op, const std::string& backend, const MlaSizes& s,
-                               const c10::SymInt& max_seqlen_q, const c10::SymInt& max_seqlen_kv,
-                               bool causal, bool same_offsets);
+MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
+                               int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
+                               bool same_offsets);
 
-// True when a and b are the same offsets: one tensor, or views of one storage at one offset with
-// one shape (so real, Meta and fake tensors all answer alike, without reading values).
-bool shares_offsets(const at::Tensor& a, const at::Tensor& b);
+// True when a and b are the same offsets: the same first element (data pointer), shape, strides
+// and dtype (no storage API on the stable ABI; the fake kernel compares storage and offset, which
+// is the same test for live tensors).
+bool shares_offsets(const Tensor& a, const Tensor& b);
 
 double mla_softmax_scale(const std::optional<double>& softmax_scale, int64_t dqk);
 
-// [rows, heads, cols] in the layout of `backend` (a narrowed [rows, heads, full_cols] buffer for
-// the padded backend when cols < full_cols).
-at::Tensor mla_alloc_rows(MlaBackend backend, const c10::SymInt& rows, const c10::SymInt& heads,
-                          const c10::SymInt& cols, const c10::SymInt& full_cols,
-                          const at::TensorOptions& options);
+// [rows, heads, cols] of dtype on `like`'s device, in the layout of `backend` (a narrowed
+// [rows, heads, full_cols] buffer for the padded backend when cols < full_cols).
+Tensor mla_alloc_rows(MlaBackend backend, const Tensor& like, int64_t rows, int64_t heads,
+                      int64_t cols, int64_t full_cols, st::ScalarType dtype);
 
-std::tuple<at::Tensor, at::Tensor> mla_forward_padded_cpu(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_kv, int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-    std::optional<double> softmax_scale, const std::string& backend);
+// The backward's extra inputs, for prepare_mla.
+struct MlaBackwardInputs {
+  const Tensor& grad_out;
+  const Tensor& out;
+  const Tensor& softmax_lse;
+};
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mla_backward_padded_cpu(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_kv, int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-    std::optional<double> softmax_scale, const std::string& backend);
+enum class MlaDevice { kCpu, kCuda };
 
-std::tuple<at::Tensor, at::Tensor> mla_forward_padded_meta(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_kv, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_kv,
-    bool causal, std::optional<double> softmax_scale, const std::string& backend);
+// A checked call: sizes, backend and softmax scale.
+struct MlaCall {
+  MlaSizes s;
+  MlaBackend backend;
+  double scale;
+};
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mla_backward_padded_meta(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_kv, c10::SymInt max_seqlen_q, c10::SymInt max_seqlen_kv,
-    bool causal, std::optional<double> softmax_scale, const std::string& backend);
+// The preamble every implementation shares: argument checks (and the backward's, when given),
+// the device's dtype check, the backend. No data reads (the CPU checks offsets on the host
+// afterwards).
+MlaCall prepare_mla(const char* op, MlaDevice device, const Tensor& q, const Tensor& k,
+                    const Tensor& v, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv,
+                    int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
+                    const std::optional<double>& softmax_scale, int64_t backend,
+                    const MlaBackwardInputs* backward = nullptr);
 
-// Checks of the backward's extra inputs (grad_out, out, softmax_lse) against the forward sizes.
-void check_mla_backward_args(const char* op, const at::Tensor& grad_out, const at::Tensor& out,
-                             const at::Tensor& softmax_lse, const at::Tensor& q, const MlaSizes& s);
+std::tuple<Tensor, Tensor> mla_forward_padded_cpu(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+    const Tensor& cu_seqlens_kv, int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
+    std::optional<double> softmax_scale, int64_t backend);
+
+std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cpu(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& softmax_lse, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv,
+    int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal, std::optional<double> softmax_scale,
+    int64_t backend);
 
 #ifdef VERL_OPS_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> mla_forward_padded_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_kv, int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-    std::optional<double> softmax_scale, const std::string& backend);
+std::tuple<Tensor, Tensor> mla_forward_padded_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+    const Tensor& cu_seqlens_kv, int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
+    std::optional<double> softmax_scale, int64_t backend);
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mla_backward_padded_cuda(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_kv, int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-    std::optional<double> softmax_scale, const std::string& backend);
+std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cuda(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& softmax_lse, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv,
+    int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal, std::optional<double> softmax_scale,
+    int64_t backend);
 #endif
 
 }  // namespace ops

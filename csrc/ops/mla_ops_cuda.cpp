@@ -6,20 +6,30 @@
 //   recovers that padded output from the view's storage, pads grad_out (and V again, which
 //   is cheaper than keeping a padded copy alive between forward and backward) in one launch,
 //   and returns grad_v as the first Dv columns of FlashAttention's padded dV.
-// native: cuDNN's SDPA, which takes Dv != Dqk, through aten::_cudnn_attention_forward /
-//   _backward in their dense form: on a zero-copy [B, H, S, D] view of uniform THD batches, and
-//   on right-padded copies of ragged causal self-attention batches (one pack launch per input,
-//   one unpack launch per output, through the THD kernels). The
-//   dense form keeps its cuDNN graph in a cache keyed by shape; torch's ragged (cum_seq) form
-//   rebuilds the whole cuDNN graph on every call in torch 2.11 (its cache lookup never inserts),
-//   which is where its ~40 ms per call comes from, so it is deliberately not used here.
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/core/impl/LocalDispatchKeySet.h>
-#include <ATen/core/LegacyTypeDispatch.h>
-
+// native: cuDNN's SDPA, which takes Dv != Dqk, in its dense form (forward: the AOTI shim of
+//   aten::_scaled_dot_product_cudnn_attention, which is _cudnn_attention_forward without
+//   cum_seq; backward: aten::_cudnn_attention_backward): on a zero-copy [B, H, S, D] view of
+//   uniform THD batches, and on right-padded copies of ragged causal self-attention batches (one
+//   pack launch per input, one unpack launch per output, through the THD kernels). The dense
+//   form keeps its cuDNN graph in a cache keyed by shape; torch's ragged (cum_seq) form rebuilds
+//   the whole cuDNN graph on every call in torch 2.11 (its cache lookup never inserts), which is
+//   where its ~40 ms per call comes from, so it is deliberately not used here.
+//
+// Stable ABI (target 2.9): aten ops go through the dispatcher (st::call_aten) with Tensor / int /
+// float / bool / optional arguments only (and, at 2.9 to 2.11, only ops whose returns read the same
+// types backwards: see cudnn_forward); int[] and Scalar arguments do not convert at 2.9, so
+// view / reshape / permute / as_strided are AOTI shim reinterpretations of our own intermediates
+// (reinterpret / reshape below), arange is a cumsum, where takes a 0-dim tensor, and the lengths
+// of the ragged backward come from aten::diff.
+#include <array>
+#include <cstddef>
+#include <initializer_list>
 #include <limits>
+#include <optional>
+#include <tuple>
 #include <vector>
+
+#include <torch/csrc/inductor/aoti_torch/generated/c_shim_cuda.h>
 
 #include "../cuda/mla_kernels.h"
 #include "mla_ops.h"
@@ -30,242 +40,354 @@ namespace ops {
 
 namespace {
 
-std::string msg(const char* op, const std::string& rest) { return std::string(op) + ": " + rest; }
+constexpr double kInf = std::numeric_limits<double>::infinity();
+constexpr int64_t kContiguousLayout = 1;  // cp_layout of the THD pack / unpack
 
-void check_cuda_dtype(const char* op, const at::Tensor& q) {
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
-              msg(op, "q must be float16 or bfloat16 on CUDA, got " + c10::str(q.scalar_type())));
+// The guard, argument checks and backend of a CUDA call (the checks first: a tensor on the wrong
+// device gets our message).
+struct CudaCall {
+  MlaCall c;
+  st::DeviceGuard guard;
+
+  CudaCall(const char* op, const Tensor& q, const Tensor& k, const Tensor& v,
+           const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv, int64_t max_seqlen_q,
+           int64_t max_seqlen_kv, bool causal, const std::optional<double>& softmax_scale,
+           int64_t backend, const MlaBackwardInputs* backward)
+      : c(prepare_mla(op, MlaDevice::kCuda, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                      max_seqlen_kv, causal, softmax_scale, backend, backward)),
+        guard(st::guard_index(q)) {}
+};
+
+// B * S == T for q and kv (resolve_mla_backend's test, without int64 wrap-around).
+bool uniform_batch(const MlaSizes& s, int64_t max_seqlen_q, int64_t max_seqlen_kv) {
+  using Wide = __int128;
+  return Wide{s.batch} * max_seqlen_q == s.tq && Wide{s.batch} * max_seqlen_kv == s.tk;
+}
+
+// Every tensor return of a dispatcher call, owned (the handles are new references; the ones
+// not kept are released with the vector).
+template <size_t N>
+std::vector<Tensor> tensor_returns(const std::array<StableIValue, N>& stack,
+                                   std::initializer_list<size_t> slots) {
+  std::vector<Tensor> out;
+  out.reserve(slots.size());
+  for (size_t i : slots) out.push_back(st::to_tensor(stack[i]));
+  return out;
+}
+
+// t's storage, at t's storage offset, with the given sizes and strides (elements): the AOTI
+// shim's as_strided (the dispatcher takes no int[] at 2.9). Not a tracked view (no autograd or
+// version-counter link), so only for our own intermediates: never returned as an alias of an
+// input.
+Tensor reinterpret(const Tensor& t, const std::vector<int64_t>& sizes,
+                   const std::vector<int64_t>& strides) {
+  AtenTensorHandle ret = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch__reinterpret_tensor(t.get(), static_cast<int64_t>(sizes.size()),
+                                                        sizes.data(), strides.data(), 0, &ret));
+  return Tensor(ret);
+}
+
+// reshape: the row-major reinterpretation of t, made contiguous first when it is not.
+Tensor reshape(const char* op, const Tensor& t, const std::vector<int64_t>& sizes) {
+  const Tensor c = st::contiguous(t);
+  std::vector<int64_t> strides(sizes.size());
+  int64_t n = 1;
+  for (size_t i = sizes.size(); i-- > 0;) {
+    strides[i] = n;
+    n = st::checked_mul(op, "a reshape's size", n, sizes[i]);
+  }
+  VERL_CHECK(n == c.numel(), op, ": internal: cannot reshape ", st::shape_of(t), " to ", n,
+             " elements");
+  return reinterpret(c, sizes, strides);
 }
 
 // [T, H, src_cols] tensors (unit inner stride) -> contiguous [T, H, dst_cols], zero tail, in one
 // launch.
-std::vector<at::Tensor> pad_last_dim(const char* op, const std::vector<at::Tensor>& srcs,
-                                     int64_t dst_cols) {
-  TORCH_CHECK(!srcs.empty() && static_cast<int>(srcs.size()) <= cuda::kMaxPadJobs,
-              msg(op, "internal: bad number of tensors to pad"));
-  std::vector<at::Tensor> keep, outs;
+std::vector<Tensor> pad_last_dim(const char* op, const std::vector<Tensor>& srcs,
+                                 int64_t dst_cols) {
+  VERL_CHECK(!srcs.empty() && static_cast<int>(srcs.size()) <= cuda::kMaxPadJobs, op,
+             ": internal: bad number of tensors to pad");
+  std::vector<Tensor> keep, outs;
   cuda::PadJob jobs[cuda::kMaxPadJobs];
   const int64_t src_cols = srcs[0].size(2);
   for (size_t i = 0; i < srcs.size(); ++i) {
-    at::Tensor s = srcs[i].stride(2) == 1 ? srcs[i] : srcs[i].contiguous();
-    TORCH_CHECK(s.size(2) == src_cols && s.scalar_type() == srcs[0].scalar_type(),
-                msg(op, "internal: tensors to pad differ in head dim or dtype"));
-    at::Tensor d = at::empty({s.size(0), s.size(1), dst_cols}, s.options());
+    const Tensor s = srcs[i].stride(2) == 1 ? srcs[i] : st::contiguous(srcs[i]);
+    VERL_CHECK(s.size(2) == src_cols && s.scalar_type() == srcs[0].scalar_type(), op,
+               ": internal: tensors to pad differ in head dim or dtype");
+    const Tensor d = st::empty(s, {s.size(0), s.size(1), dst_cols}, s.scalar_type());
     jobs[i] = cuda::PadJob{s.data_ptr(), d.data_ptr(),
                            core::PadGeometry{s.size(0), s.size(1), s.stride(0), s.stride(1)}};
     keep.push_back(s);
     outs.push_back(d);
   }
-  const cudaError_t err =
-      cuda::launch_pad_last_dim(jobs, static_cast<int>(srcs.size()), src_cols, dst_cols,
-                                srcs[0].element_size(), at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(err == cudaSuccess, msg(op, std::string("pad kernel launch failed: ") + cudaGetErrorString(err)));
+  const int64_t elem_bytes = st::element_size(srcs[0]);
+  const cudaStream_t stream = st::current_stream(srcs[0]);
+  st::check_launch(op, cuda::launch_pad_last_dim(jobs, static_cast<int>(srcs.size()), src_cols,
+                                                 dst_cols, elem_bytes, stream));
   return outs;
 }
 
 // The padded backend returns out as the [.., :Dv] view of FlashAttention's [T, H, Dqk] output.
 // When `out` still is that view, the full padded output is read back from its storage instead of
 // being rebuilt. Only the first Dv columns of the padded grad_out are non-zero, so FlashAttention's
-// backward reads the tail of out only through products with zeros.
-std::optional<at::Tensor> padded_out_of_view(const at::Tensor& out, int64_t dqk) {
+// backward reads the tail of out only through products with zeros. The storage's size comes from
+// the AOTI shim (aoti_torch_get_storage_size, the storage's nbytes): the [T, H, Dqk] rows must
+// lie inside it.
+std::optional<Tensor> padded_out_of_view(const Tensor& out, int64_t dqk) {
   const int64_t t = out.size(0), h = out.size(1);
   if (t == 0 || out.stride(2) != 1 || out.stride(1) != dqk || out.stride(0) != h * dqk) {
     return std::nullopt;
   }
-  const int64_t needed = (out.storage_offset() + t * h * dqk) * static_cast<int64_t>(out.element_size());
-  if (static_cast<int64_t>(out.storage().nbytes()) < needed) return std::nullopt;
-  return out.as_strided({t, h, dqk}, {h * dqk, dqk, 1}, out.storage_offset());
+  int64_t storage_bytes = 0;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_storage_size(out.get(), &storage_bytes));
+  using Wide = __int128;
+  const Wide needed = (Wide{st::storage_offset(out)} + Wide{t} * h * dqk) *
+                      st::element_size(out);
+  if (Wide{storage_bytes} < needed) return std::nullopt;
+  return reinterpret(out, {t, h, dqk}, {h * dqk, dqk, 1});
 }
 
-at::Tensor flash_rng_state(const at::Tensor& like) {
-  return at::empty({2}, like.options().dtype(at::kUInt64));
+// FlashAttention's (unused without dropout) rng state arguments.
+Tensor flash_rng_state(const Tensor& like) { return st::empty(like, {2}, st::ScalarType::UInt64); }
+
+Tensor flash_unused(const Tensor& like) { return st::empty(like, {}, st::ScalarType::UInt64); }
+
+// [T, H, D] rows (contiguous) of a uniform batch as cuDNN's dense [B, H, S, D] (a view; T = B * S).
+Tensor as_bhsd(const char* op, const Tensor& t, int64_t batch, int64_t seqlen) {
+  return torch::stable::transpose(reshape(op, t, {batch, seqlen, t.size(1), t.size(2)}), 1, 2);
 }
 
-at::Tensor flash_unused(const at::Tensor& like) {
-  return at::empty({}, like.options().dtype(at::kUInt64));
-}
-
-// [T, H, D] rows of a uniform batch as cuDNN's dense [B, H, S, D] (a view; T = B * S).
-at::Tensor as_bhsd(const at::Tensor& t, int64_t batch, int64_t seqlen) {
-  return t.view({batch, seqlen, t.size(1), t.size(2)}).transpose(1, 2);
-}
-
-at::Tensor from_bhsd(const at::Tensor& t4, int64_t rows) {
-  return t4.transpose(1, 2).reshape({rows, t4.size(1), t4.size(3)}).contiguous();
+// [B, H, S, D] -> contiguous [B * S, H, D] rows.
+Tensor from_bhsd(const Tensor& t4) {
+  return st::contiguous(st::flatten(torch::stable::transpose(t4, 1, 2), 0, 1));
 }
 
 // Ragged batches on the dense native path: [T, H, D] rows <-> right-padded [B, S, H, D] rows.
 struct DenseRows {
-  at::Tensor cu;        // the batch's int32 offsets [B + 1]
-  at::Tensor cu_dense;  // b * S: every sequence padded to S rows
+  Tensor cu;        // the batch's int32 offsets [B + 1]
+  Tensor cu_dense;  // b * S: every sequence padded to S rows
   int64_t batch = 0, seqlen = 0;
 };
 
-DenseRows dense_rows(const at::Tensor& cu, int64_t batch, int64_t seqlen) {
-  return {cu, at::arange(0, (batch + 1) * seqlen, seqlen, cu.options()), batch, seqlen};
+DenseRows dense_rows(const char* op, const Tensor& cu, int64_t batch, int64_t seqlen) {
+  st::int32_arg(op, "B * max_seqlen_q (the native backend's padded rows)",
+                st::checked_mul(op, "B * max_seqlen_q", batch, seqlen));
+  // b * S for b in [0, B] as the inclusive cumsum of [0, S, S, ...] (aten::arange takes Scalar
+  // arguments, which the dispatcher does not convert at 2.9).
+  Tensor steps = st::empty(cu, {batch + 1}, st::kInt);
+  torch::stable::fill_(steps, static_cast<double>(seqlen));
+  Tensor first = torch::stable::narrow(steps, 0, 0, 1);
+  torch::stable::zero_(first);
+  Tensor cu_dense = st::to_tensor(st::call_aten("aten::cumsum", "", steps, int64_t{0},
+                                                std::optional<st::ScalarType>(st::kInt))[0]);
+  return {cu, cu_dense, batch, seqlen};
 }
 
-// Pack [T, *F] rows into [B * S, *F] (zeros in padding rows); also this rows' positions.
-std::tuple<at::Tensor, at::Tensor> pack_dense(const DenseRows& d, const at::Tensor& rows2d) {
-  return preprocess_thd_cuda(rows2d, d.cu, d.cu_dense, d.batch * d.seqlen, 1, 0, "contiguous",
+// Pack [T, *F] rows into [B * S, *F] (zeros in padding rows); also the rows' positions.
+std::tuple<Tensor, Tensor> pack_dense(const DenseRows& d, const Tensor& rows) {
+  return preprocess_thd_cuda(rows, d.cu, d.cu_dense, d.batch * d.seqlen, 1, 0, kContiguousLayout,
                              false, std::nullopt);
 }
 
 // [T, H, D] -> [B, H, S, D] view of a right-padded copy.
-at::Tensor to_dense(const DenseRows& d, const at::Tensor& x) {
-  const at::Tensor xc = x.contiguous();
-  const int64_t h = xc.size(1), dd = xc.size(2);
-  at::Tensor packed = std::get<0>(pack_dense(d, xc.view({xc.size(0), h * dd})));
-  return packed.view({d.batch, d.seqlen, h, dd}).transpose(1, 2);
+Tensor to_dense(const char* op, const DenseRows& d, const Tensor& x) {
+  const Tensor packed = std::get<0>(pack_dense(d, x));  // [B * S, H, D], contiguous
+  return torch::stable::transpose(reshape(op, packed, {d.batch, d.seqlen, x.size(1), x.size(2)}),
+                                  1, 2);
 }
 
 // [B, H, S, D] -> the valid rows [T, H, D].
-at::Tensor from_dense(const DenseRows& d, const at::Tensor& x4, int64_t rows) {
-  const int64_t h = x4.size(1), dd = x4.size(3);
-  const at::Tensor r = x4.transpose(1, 2).reshape({d.batch * d.seqlen, h * dd});
-  return postprocess_thd_cuda(r, d.cu, d.cu_dense, rows, 1, 0, "contiguous", false, std::nullopt)
-      .view({rows, h, dd});
+Tensor from_dense(const DenseRows& d, const Tensor& x4, int64_t rows) {
+  const Tensor r = st::flatten(torch::stable::transpose(x4, 1, 2), 0, 1);
+  return postprocess_thd_cuda(r, d.cu, d.cu_dense, rows, 1, 0, kContiguousLayout, false,
+                              std::nullopt);
+}
+
+void check_flash_head_dim(const char* op, int64_t dqk) {
+  VERL_CHECK(dqk % 8 == 0 && dqk <= 256, op,
+             ": the padded (FlashAttention) backend needs Dqk a multiple of 8 and <= 256, got ",
+             dqk);
+}
+
+// cuDNN attention in its dense form: (output, logsumexp [B, H, S(, 1)]). Through the AOTI shim of
+// aten::_scaled_dot_product_cudnn_attention (which is aten::_cudnn_attention_forward with the
+// sequence lengths of the dense shapes), not through the dispatcher: aoti_torch_call_dispatcher
+// converts the i-th return with the type of return i but the value of return n-1-i, which breaks
+// on the SymInt returns of both cuDNN forward ops (torch 2.9 to 2.11).
+std::tuple<Tensor, Tensor> cudnn_forward(const Tensor& q4, const Tensor& k4, const Tensor& v4,
+                                         bool causal, double scale) {
+  // output, logsumexp, cum_seq_q, cum_seq_k, philox_seed, philox_offset, debug_attn_mask
+  std::array<AtenTensorHandle, 7> h{};
+  int64_t max_q = 0, max_k = 0;
+  double scale_arg = scale;
+  const AOTITorchError err = aoti_torch_cuda__scaled_dot_product_cudnn_attention(
+      q4.get(), k4.get(), v4.get(), /*attn_bias=*/nullptr, /*compute_log_sumexp=*/1,
+      /*dropout_p=*/0.0, causal ? 1 : 0, /*return_debug_mask=*/0, &scale_arg, &h[0], &h[1], &h[2],
+      &h[3], &max_q, &max_k, &h[4], &h[5], &h[6]);
+  std::vector<Tensor> owned;  // every returned handle, released with the vector
+  for (AtenTensorHandle t : h) {
+    if (t != nullptr) owned.emplace_back(t);
+  }
+  TORCH_ERROR_CODE_CHECK(err);
+  return {owned[0], owned[1]};
+}
+
+// aten::_cudnn_attention_backward in its dense form: (grad_q, grad_k, grad_v) [B, H, S, D].
+std::vector<Tensor> cudnn_backward(const Tensor& grad_out4, const Tensor& q4, const Tensor& k4,
+                                   const Tensor& v4, const Tensor& out4, const Tensor& lse4,
+                                   int64_t sq, int64_t skv, bool causal, double scale) {
+  const Tensor seed = st::empty(q4, {}, st::kLong);
+  const Tensor offset = st::empty(q4, {}, st::kLong);
+  const Tensor none;  // undefined: attn_bias, cum_seq_q, cum_seq_k
+  // (grad_out, query, key, value, out, logsumexp, philox_seed, philox_offset, attn_bias,
+  //  cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, *, scale)
+  const auto r = st::call_aten<16>("aten::_cudnn_attention_backward", "", grad_out4, q4, k4, v4,
+                                   out4, lse4, seed, offset, none, none, none, sq, skv, 0.0,
+                                   causal, std::optional<double>(scale));
+  return tensor_returns(r, {0, 1, 2});
 }
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor> mla_forward_padded_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_kv, int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-    std::optional<double> softmax_scale, const std::string& backend) {
+std::tuple<Tensor, Tensor> mla_forward_padded_cuda(
+    const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens_q,
+    const Tensor& cu_seqlens_kv, int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
+    std::optional<double> softmax_scale, int64_t backend) {
   constexpr const char* op = "mla_forward_padded";
-  const c10::cuda::CUDAGuard guard(q.device());
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const MlaSizes s = check_mla_args(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-                                    max_seqlen_kv, softmax_scale);
-  check_cuda_dtype(op, q);
-  const MlaBackend b = resolve_mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
-                                           shares_offsets(cu_seqlens_q, cu_seqlens_kv));
-  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), dqk = q.size(2), dv = v.size(2);
-  const int64_t batch = cu_seqlens_q.size(0) - 1;
-  const double scale = mla_softmax_scale(softmax_scale, dqk);
-  at::Tensor out = mla_alloc_rows(b, tq, hq, dv, dqk, q.options());
-  if (tq == 0 || tk == 0 || batch == 0) {
+  const CudaCall call(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                      causal, softmax_scale, backend, nullptr);
+  const MlaSizes& s = call.c.s;
+  const double scale = call.c.scale;
+  if (s.tq == 0 || s.tk == 0 || s.batch == 0) {
     // No query, or nothing to attend to: zero output, +inf log-sum-exp (FlashAttention's value
     // for a row without keys).
-    out.zero_();
-    return {out, at::full({hq, tq}, std::numeric_limits<float>::infinity(), q.options().dtype(at::kFloat))};
+    Tensor out = mla_alloc_rows(call.c.backend, q, s.tq, s.hq, s.dv, s.dqk, q.scalar_type());
+    torch::stable::zero_(out);
+    Tensor lse = st::empty(q, {s.hq, s.tq}, st::kFloat);
+    torch::stable::fill_(lse, kInf);
+    return {out, lse};
   }
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous();
-  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_kv = cu_seqlens_kv.contiguous();
-  if (b == MlaBackend::kPadded) {
-    TORCH_CHECK(dqk % 8 == 0 && dqk <= 256,
-                msg(op, "the padded (FlashAttention) backend needs Dqk a multiple of 8 and <= 256, got " +
-                            std::to_string(dqk)));
-    const at::Tensor vp = dv == dqk ? v.contiguous() : pad_last_dim(op, {v}, dqk)[0];
-    auto res = at::_flash_attention_forward(qc, kc, vp, cu_q, cu_kv, max_seqlen_q, max_seqlen_kv,
-                                            0.0, causal, false, scale);
-    at::Tensor o = std::get<0>(res);
-    return {dv == dqk ? o.contiguous() : o.narrow(2, 0, dv), std::get<1>(res)};
+  const Tensor qc = st::contiguous(q), kc = st::contiguous(k);
+  const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
+  if (call.c.backend == MlaBackend::kPadded) {
+    check_flash_head_dim(op, s.dqk);
+    const Tensor vp = s.dv == s.dqk ? st::contiguous(v) : pad_last_dim(op, {v}, s.dqk)[0];
+    // (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+    //  return_debug_mask, *, scale, window_size_left, window_size_right, seqused_k,
+    //  alibi_slopes) -> (output, softmax_logsumexp, rng_state, unused, debug_attn_mask)
+    const auto r = st::call_aten<15>(
+        "aten::_flash_attention_forward", "", qc, kc, vp, std::optional<Tensor>(cu_q),
+        std::optional<Tensor>(cu_kv), max_seqlen_q, max_seqlen_kv, 0.0, causal, false,
+        std::optional<double>(scale), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
+    std::vector<Tensor> res = tensor_returns(r, {0, 1, 2, 3, 4});
+    Tensor o = res[0];
+    return {s.dv == s.dqk ? st::contiguous(o) : torch::stable::narrow(o, 2, 0, s.dv), res[1]};
   }
-  const int64_t sq = max_seqlen_q, skv = max_seqlen_kv;
-  const bool uniform = batch * sq == tq && batch * skv == tk;
-  if (!uniform) {
+  const int64_t batch = s.batch, sq = max_seqlen_q, skv = max_seqlen_kv;
+  if (!uniform_batch(s, max_seqlen_q, max_seqlen_kv)) {
     // Ragged causal self-attention (resolve_mla_backend checked it): right-padded dense copies.
-    const DenseRows d = dense_rows(cu_q, batch, sq);
-    auto res = at::_cudnn_attention_forward(to_dense(d, qc), to_dense(d, kc), to_dense(d, v), std::nullopt,
-                                            std::nullopt, std::nullopt, sq, sq,
-                                            /*compute_log_sumexp=*/true, 0.0, causal, false, scale);
-    const at::Tensor lse_rows = std::get<1>(res).reshape({batch, hq, sq}).transpose(1, 2).reshape({batch * sq, hq});
-    const at::Tensor lse = postprocess_thd_cuda(lse_rows.to(at::kFloat), d.cu, d.cu_dense, tq, 1, 0,
-                                                "contiguous", false, std::nullopt);
-    return {from_dense(d, std::get<0>(res), tq), lse.t().contiguous()};
+    const DenseRows d = dense_rows(op, cu_q, batch, sq);
+    const auto [o4, lse4] = cudnn_forward(to_dense(op, d, qc), to_dense(op, d, kc),
+                                          to_dense(op, d, v), causal, scale);
+    // [B, H, S] -> [B * S, H] rows -> the valid rows [Tq, H] -> [H, Tq].
+    const Tensor lse_bhs = reshape(op, lse4, {batch, s.hq, sq});
+    const Tensor lse_rows =
+        reshape(op, torch::stable::transpose(lse_bhs, 1, 2), {batch * sq, s.hq});
+    const Tensor lse = postprocess_thd_cuda(st::to_dtype(lse_rows, st::kFloat), d.cu, d.cu_dense,
+                                            s.tq, 1, 0, kContiguousLayout, false, std::nullopt);
+    return {from_dense(d, o4, s.tq), st::contiguous(torch::stable::transpose(lse, 0, 1))};
   }
-  auto res = at::_cudnn_attention_forward(as_bhsd(qc, batch, sq), as_bhsd(kc, batch, skv),
-                                          as_bhsd(v.contiguous(), batch, skv), std::nullopt,
-                                          std::nullopt, std::nullopt, sq, skv,
-                                          /*compute_log_sumexp=*/true, 0.0, causal, false, scale);
+  const auto [o4, lse4] =
+      cudnn_forward(as_bhsd(op, qc, batch, sq), as_bhsd(op, kc, batch, skv),
+                    as_bhsd(op, st::contiguous(v), batch, skv), causal, scale);
   // cuDNN's log-sum-exp is [B, H, S(, 1)]; ours is [H, T].
-  const at::Tensor lse4 = std::get<1>(res);
-  at::Tensor lse = lse4.reshape({batch, hq, sq}).permute({1, 0, 2}).reshape({hq, tq}).contiguous();
-  return {from_bhsd(std::get<0>(res), tq), lse.to(at::kFloat)};
+  const Tensor lse = reshape(
+      op, torch::stable::transpose(reshape(op, lse4, {batch, s.hq, sq}), 0, 1), {s.hq, s.tq});
+  return {from_bhsd(o4), st::to_dtype(lse, st::kFloat)};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> mla_backward_padded_cuda(
-    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_kv, int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-    std::optional<double> softmax_scale, const std::string& backend) {
+std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cuda(
+    const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+    const Tensor& softmax_lse, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv,
+    int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal, std::optional<double> softmax_scale,
+    int64_t backend) {
   constexpr const char* op = "mla_backward_padded";
-  const c10::cuda::CUDAGuard guard(q.device());
-  const at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const MlaSizes s = check_mla_args(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
-                                    max_seqlen_kv, softmax_scale);
-  check_cuda_dtype(op, q);
-  check_mla_backward_args(op, grad_out, out, softmax_lse, q, s);
-  const MlaBackend b = resolve_mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
-                                           shares_offsets(cu_seqlens_q, cu_seqlens_kv));
-  const int64_t tq = q.size(0), tk = k.size(0), hq = q.size(1), hk = k.size(1), dqk = q.size(2),
-                dv = v.size(2);
-  const int64_t batch = cu_seqlens_q.size(0) - 1;
-  const double scale = mla_softmax_scale(softmax_scale, dqk);
-  if (tq == 0 || tk == 0 || batch == 0) {
-    at::Tensor grad_v = mla_alloc_rows(b, tk, hk, dv, dqk, v.options());
-    grad_v.zero_();
-    return {at::zeros({tq, hq, dqk}, q.options()), at::zeros({tk, hk, dqk}, k.options()), grad_v};
+  const MlaBackwardInputs bwd{grad_out, out, softmax_lse};
+  const CudaCall call(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                      causal, softmax_scale, backend, &bwd);
+  const MlaSizes& s = call.c.s;
+  const double scale = call.c.scale;
+  if (s.tq == 0 || s.tk == 0 || s.batch == 0) {
+    Tensor grad_v = mla_alloc_rows(call.c.backend, v, s.tk, s.hk, s.dv, s.dqk, v.scalar_type());
+    torch::stable::zero_(grad_v);
+    return {st::zeros(q, {s.tq, s.hq, s.dqk}, q.scalar_type()),
+            st::zeros(k, {s.tk, s.hk, s.dqk}, k.scalar_type()), grad_v};
   }
-  const at::Tensor qc = q.contiguous(), kc = k.contiguous();
-  const at::Tensor cu_q = cu_seqlens_q.contiguous(), cu_kv = cu_seqlens_kv.contiguous();
-  if (b == MlaBackend::kPadded) {
-    TORCH_CHECK(dqk % 8 == 0 && dqk <= 256,
-                msg(op, "the padded (FlashAttention) backend needs Dqk a multiple of 8 and <= 256, got " +
-                            std::to_string(dqk)));
-    at::Tensor vp, dout, out_full;
-    if (dv == dqk) {
-      vp = v.contiguous();
-      dout = grad_out.contiguous();
-      out_full = out.contiguous();
+  const Tensor qc = st::contiguous(q), kc = st::contiguous(k);
+  const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
+  if (call.c.backend == MlaBackend::kPadded) {
+    check_flash_head_dim(op, s.dqk);
+    Tensor vp, dout, out_full;
+    if (s.dv == s.dqk) {
+      vp = st::contiguous(v);
+      dout = st::contiguous(grad_out);
+      out_full = st::contiguous(out);
     } else {
-      std::optional<at::Tensor> recovered = padded_out_of_view(out, dqk);
-      std::vector<at::Tensor> padded =
-          recovered.has_value() ? pad_last_dim(op, {v, grad_out}, dqk) : pad_last_dim(op, {v, grad_out, out}, dqk);
+      const std::optional<Tensor> recovered = padded_out_of_view(out, s.dqk);
+      const std::vector<Tensor> padded = recovered.has_value()
+                                             ? pad_last_dim(op, {v, grad_out}, s.dqk)
+                                             : pad_last_dim(op, {v, grad_out, out}, s.dqk);
       vp = padded[0];
       dout = padded[1];
       out_full = recovered.has_value() ? *recovered : padded[2];
     }
-    auto grads = at::_flash_attention_backward(dout, qc, kc, vp, out_full, softmax_lse.contiguous(),
-                                               cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, 0.0, causal,
-                                               flash_rng_state(q), flash_unused(q), scale);
-    at::Tensor dvp = std::get<2>(grads);
-    return {std::get<0>(grads).contiguous(), std::get<1>(grads).contiguous(),
-            dv == dqk ? dvp.contiguous() : dvp.narrow(2, 0, dv)};
+    // (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k,
+    //  dropout_p, is_causal, rng_state, unused, *, scale, window_size_left, window_size_right)
+    const auto r = st::call_aten<17>(
+        "aten::_flash_attention_backward", "", dout, qc, kc, vp, out_full,
+        st::contiguous(softmax_lse), cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, 0.0, causal,
+        flash_rng_state(q), flash_unused(q), std::optional<double>(scale), std::nullopt,
+        std::nullopt);
+    std::vector<Tensor> grads = tensor_returns(r, {0, 1, 2});
+    Tensor dvp = grads[2];
+    return {st::contiguous(grads[0]), st::contiguous(grads[1]),
+            s.dv == s.dqk ? st::contiguous(dvp) : torch::stable::narrow(dvp, 2, 0, s.dv)};
   }
-  const int64_t sq = max_seqlen_q, skv = max_seqlen_kv;
-  const at::Tensor no_tensor;
-  const at::Tensor seed = at::empty({}, q.options().dtype(at::kLong));
-  const at::Tensor offset = at::empty({}, q.options().dtype(at::kLong));
-  const bool uniform = batch * sq == tq && batch * skv == tk;
-  if (!uniform) {
+  const int64_t batch = s.batch, sq = max_seqlen_q, skv = max_seqlen_kv;
+  if (!uniform_batch(s, max_seqlen_q, max_seqlen_kv)) {
     // Ragged causal self-attention: padding query rows get a zero output gradient and an
     // infinite log-sum-exp (probabilities exactly 0), so they add nothing to any gradient.
-    const DenseRows d = dense_rows(cu_q, batch, sq);
-    auto packed_lse = pack_dense(d, softmax_lse.t().contiguous());
-    const at::Tensor lengths = (cu_q.narrow(0, 1, batch) - cu_q.narrow(0, 0, batch)).unsqueeze(1);
-    const at::Tensor valid = (std::get<1>(packed_lse).view({batch, sq}) < lengths).unsqueeze(-1);
-    const at::Tensor lse4 = at::where(valid, std::get<0>(packed_lse).view({batch, sq, hq}),
-                                      std::numeric_limits<float>::infinity())
-                                .permute({0, 2, 1})
-                                .contiguous()
-                                .unsqueeze(-1);
-    auto grads = at::_cudnn_attention_backward(
-        to_dense(d, grad_out), to_dense(d, qc), to_dense(d, kc), to_dense(d, v), to_dense(d, out), lse4,
-        seed, offset, no_tensor, no_tensor, no_tensor, sq, sq, 0.0, causal, scale);
-    return {from_dense(d, std::get<0>(grads), tq), from_dense(d, std::get<1>(grads), tk),
-            from_dense(d, std::get<2>(grads), tk)};
+    const DenseRows d = dense_rows(op, cu_q, batch, sq);
+    const auto [lse_packed, positions] =
+        pack_dense(d, st::contiguous(torch::stable::transpose(softmax_lse, 0, 1)));  // [B*S, H]
+    // lengths [B, 1]; valid [B, S, 1]: the row's position inside its sequence < its length.
+    const Tensor lengths = st::unsqueeze(
+        st::to_tensor(st::call_aten("aten::diff", "", cu_q, int64_t{1}, int64_t{0}, std::nullopt,
+                                    std::nullopt)[0]),
+        1);
+    const Tensor valid = st::unsqueeze(
+        st::to_tensor(st::call_aten("aten::lt", "Tensor", reshape(op, positions, {batch, sq}),
+                                    lengths)[0]),
+        2);
+    Tensor inf = st::empty(softmax_lse, {}, softmax_lse.scalar_type());
+    torch::stable::fill_(inf, kInf);
+    const Tensor lse_bsh = st::to_tensor(st::call_aten(
+        "aten::where", "self", valid, reshape(op, lse_packed, {batch, sq, s.hq}), inf)[0]);
+    const Tensor lse4 =
+        st::unsqueeze(st::contiguous(torch::stable::transpose(lse_bsh, 1, 2)), 3);
+    const std::vector<Tensor> g =
+        cudnn_backward(to_dense(op, d, grad_out), to_dense(op, d, qc), to_dense(op, d, kc),
+                       to_dense(op, d, v), to_dense(op, d, out), lse4, sq, sq, causal, scale);
+    return {from_dense(d, g[0], s.tq), from_dense(d, g[1], s.tk), from_dense(d, g[2], s.tk)};
   }
-  const at::Tensor lse4 =
-      softmax_lse.reshape({hq, batch, sq}).permute({1, 0, 2}).contiguous().unsqueeze(-1);
-  auto grads = at::_cudnn_attention_backward(
-      as_bhsd(grad_out.contiguous(), batch, sq), as_bhsd(qc, batch, sq), as_bhsd(kc, batch, skv),
-      as_bhsd(v.contiguous(), batch, skv), as_bhsd(out.contiguous(), batch, sq), lse4, seed, offset,
-      no_tensor, no_tensor, no_tensor, sq, skv, 0.0, causal, scale);
-  return {from_bhsd(std::get<0>(grads), tq), from_bhsd(std::get<1>(grads), tk),
-          from_bhsd(std::get<2>(grads), tk)};
+  const Tensor lse_hbs = reshape(op, softmax_lse, {s.hq, batch, sq});
+  const Tensor lse4 =
+      st::unsqueeze(st::contiguous(torch::stable::transpose(lse_hbs, 0, 1)), 3);
+  const std::vector<Tensor> g = cudnn_backward(
+      as_bhsd(op, st::contiguous(grad_out), batch, sq), as_bhsd(op, qc, batch, sq),
+      as_bhsd(op, kc, batch, skv), as_bhsd(op, st::contiguous(v), batch, skv),
+      as_bhsd(op, st::contiguous(out), batch, sq), lse4, sq, skv, causal, scale);
+  return {from_bhsd(g[0]), from_bhsd(g[1]), from_bhsd(g[2])};
 }
 
 }  // namespace ops

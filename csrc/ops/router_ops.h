@@ -1,88 +1,91 @@
-// ATen-facing router replay ops (OPS.md section 4): argument checks, output allocation, dispatch.
+// Router replay ops (OPS.md section 4) on the stable ABI: argument checks, output allocation,
+// dispatch.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <optional>
-#include <string>
 #include <tuple>
 #include <vector>
 
 #include "../core/router_rows.h"
+#include "stable.h"
 
 namespace verl_ops {
 namespace ops {
 
-// Everything a device implementation of router_topk_record needs, after the checks.
-struct RouterRecordCall {
-  std::vector<core::LayerSlice> layers;
-  core::IndexDtype dtype;
-  int64_t num_layers = 0;
+using st::Tensor;
+
+// The recorded indices as the kernels read them: one slice (pointer + strides) per layer.
+// `owner` is a tensor of the layers' dtype and device (it allocates the outputs).
+struct RecordLayers {
+  std::vector<core::LayerSlice> slices;
+  core::IndexDtype dtype = core::IndexDtype::kInt64;
+  int64_t rows = 0;  // T_local_sp
   int64_t topk = 0;
-  int64_t out_rows = 0;
-  at::Tensor cu, cu_padded, mask_csum;  // kept alive for the plan's pointers (fused only)
+  Tensor owner;
+};
+
+// indices [L, T, K], any integer dtype and strides.
+RecordLayers record_layers_of(const Tensor& indices);
+// A list of [T, K] tensors (the second library, which can take list arguments).
+RecordLayers record_layers_of(const std::vector<Tensor>& indices);
+
+std::tuple<Tensor, Tensor> router_record_cpu(const RecordLayers& layers, const std::optional<Tensor>& cu_seqlens,
+                                             const std::optional<Tensor>& cu_seqlens_padded, int64_t total_tokens,
+                                             const std::optional<Tensor>& attention_mask);
+
+std::tuple<Tensor, Tensor> router_topk_record_cpu(const Tensor& indices, const std::optional<Tensor>& cu_seqlens,
+                                                  const std::optional<Tensor>& cu_seqlens_padded, int64_t total_tokens,
+                                                  const std::optional<Tensor>& attention_mask);
+
+std::tuple<Tensor, Tensor> router_topk_scatter_cpu(const Tensor& routes, const Tensor& cu_seqlens,
+                                                   const Tensor& cu_seqlens_padded, int64_t local_rows, int64_t tp_size,
+                                                   int64_t tp_rank, int64_t cp_size, int64_t cp_rank, int64_t cp_layout,
+                                                   const std::optional<Tensor>& attention_mask,
+                                                   const std::optional<Tensor>& replay_mask);
+
+#ifdef VERL_OPS_WITH_CUDA
+std::tuple<Tensor, Tensor> router_record_cuda(const RecordLayers& layers, const std::optional<Tensor>& cu_seqlens,
+                                              const std::optional<Tensor>& cu_seqlens_padded, int64_t total_tokens,
+                                              const std::optional<Tensor>& attention_mask);
+
+std::tuple<Tensor, Tensor> router_topk_record_cuda(const Tensor& indices, const std::optional<Tensor>& cu_seqlens,
+                                                   const std::optional<Tensor>& cu_seqlens_padded, int64_t total_tokens,
+                                                   const std::optional<Tensor>& attention_mask);
+
+std::tuple<Tensor, Tensor> router_topk_scatter_cuda(const Tensor& routes, const Tensor& cu_seqlens,
+                                                    const Tensor& cu_seqlens_padded, int64_t local_rows, int64_t tp_size,
+                                                    int64_t tp_rank, int64_t cp_size, int64_t cp_rank, int64_t cp_layout,
+                                                    const std::optional<Tensor>& attention_mask,
+                                                    const std::optional<Tensor>& replay_mask);
+#endif
+
+// Shared by the CPU and CUDA implementations (internal).
+struct RouterRecordCall {
+  Tensor cu, cu_padded, mask_csum;  // kept alive for the plan's pointers (fused only)
+  Tensor routes, overflow;
   core::RouterRecordPlan plan;
+  int64_t out_rows = 0;
 };
 
 struct RouterScatterCall {
-  at::Tensor routes;  // contiguous
-  at::Tensor cu, cu_padded, mask_csum, replay;
+  Tensor routes;  // contiguous
+  Tensor cu, cu_padded, mask_csum, replay;
+  Tensor targets, replay_out;
   core::RouterScatterPlan plan;
-  core::IndexDtype dtype;
+  core::IndexDtype dtype = core::IndexDtype::kInt64;
   int64_t num_layers = 0;
   int64_t topk = 0;
   int64_t rows = 0;  // T_sp
 };
 
-RouterRecordCall prepare_router_record(at::TensorList indices,
-                                       const std::optional<at::Tensor>& cu_seqlens,
-                                       const std::optional<at::Tensor>& cu_seqlens_padded,
-                                       int64_t total_tokens,
-                                       const std::optional<at::Tensor>& attention_mask,
-                                       at::Tensor* routes, at::Tensor* overflow);
+RouterRecordCall prepare_router_record(const RecordLayers& layers, const std::optional<Tensor>& cu_seqlens,
+                                       const std::optional<Tensor>& cu_seqlens_padded, int64_t total_tokens,
+                                       const std::optional<Tensor>& attention_mask);
 
-RouterScatterCall prepare_router_scatter(const at::Tensor& routes, const at::Tensor& cu_seqlens,
-                                         const at::Tensor& cu_seqlens_padded, int64_t local_rows,
-                                         int64_t tp_size, int64_t tp_rank, int64_t cp_size,
-                                         int64_t cp_rank, const std::string& cp_layout,
-                                         const std::optional<at::Tensor>& attention_mask,
-                                         const std::optional<at::Tensor>& replay_mask,
-                                         at::Tensor* targets, at::Tensor* replay_out);
-
-std::tuple<at::Tensor, at::Tensor> router_topk_record_cpu(
-    at::TensorList indices, const std::optional<at::Tensor>& cu_seqlens,
-    const std::optional<at::Tensor>& cu_seqlens_padded, int64_t total_tokens,
-    const std::optional<at::Tensor>& attention_mask);
-
-std::tuple<at::Tensor, at::Tensor> router_topk_record_meta(
-    at::TensorList indices, const std::optional<at::Tensor>& cu_seqlens,
-    const std::optional<at::Tensor>& cu_seqlens_padded, c10::SymInt total_tokens,
-    const std::optional<at::Tensor>& attention_mask);
-
-std::tuple<at::Tensor, at::Tensor> router_topk_scatter_cpu(
-    const at::Tensor& routes, const at::Tensor& cu_seqlens, const at::Tensor& cu_seqlens_padded,
-    int64_t local_rows, int64_t tp_size, int64_t tp_rank, int64_t cp_size, int64_t cp_rank,
-    const std::string& cp_layout, const std::optional<at::Tensor>& attention_mask,
-    const std::optional<at::Tensor>& replay_mask);
-
-std::tuple<at::Tensor, at::Tensor> router_topk_scatter_meta(
-    const at::Tensor& routes, const at::Tensor& cu_seqlens, const at::Tensor& cu_seqlens_padded,
-    c10::SymInt local_rows, int64_t tp_size, int64_t tp_rank, int64_t cp_size, int64_t cp_rank,
-    const std::string& cp_layout, const std::optional<at::Tensor>& attention_mask,
-    const std::optional<at::Tensor>& replay_mask);
-
-#ifdef VERL_OPS_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> router_topk_record_cuda(
-    at::TensorList indices, const std::optional<at::Tensor>& cu_seqlens,
-    const std::optional<at::Tensor>& cu_seqlens_padded, int64_t total_tokens,
-    const std::optional<at::Tensor>& attention_mask);
-
-std::tuple<at::Tensor, at::Tensor> router_topk_scatter_cuda(
-    const at::Tensor& routes, const at::Tensor& cu_seqlens, const at::Tensor& cu_seqlens_padded,
-    int64_t local_rows, int64_t tp_size, int64_t tp_rank, int64_t cp_size, int64_t cp_rank,
-    const std::string& cp_layout, const std::optional<at::Tensor>& attention_mask,
-    const std::optional<at::Tensor>& replay_mask);
-#endif
+RouterScatterCall prepare_router_scatter(const Tensor& routes, const Tensor& cu_seqlens, const Tensor& cu_seqlens_padded,
+                                         int64_t local_rows, int64_t tp_size, int64_t tp_rank, int64_t cp_size,
+                                         int64_t cp_rank, int64_t cp_layout, const std::optional<Tensor>& attention_mask,
+                                         const std::optional<Tensor>& replay_mask);
 
 }  // namespace ops
 }  // namespace verl_ops

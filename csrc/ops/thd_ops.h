@@ -1,91 +1,74 @@
-// ATen-facing THD ops: argument checks, output allocation, dispatch to the kernels.
+// THD ops on the stable ABI: argument checks, output allocation, dispatch to the kernels.
 #pragma once
 
-#include <ATen/ATen.h>
-
 #include <optional>
-#include <string>
 #include <tuple>
 
 #include "../core/thd_rows.h"
+#include "stable.h"
 
 namespace verl_ops {
 namespace ops {
 
-std::tuple<at::Tensor, at::Tensor> thd_layout(const at::Tensor& lengths, int64_t tp_size,
-                                              int64_t cp_size, const std::string& cp_layout,
-                                              bool fp8_padding,
-                                              std::optional<int64_t> min_local_rows,
-                                              std::optional<int64_t> pad_to_length_bucket);
+using st::Tensor;
 
-std::tuple<at::Tensor, at::Tensor> thd_layout_meta(const at::Tensor& lengths, int64_t tp_size,
-                                                   int64_t cp_size, const std::string& cp_layout,
-                                                   bool fp8_padding,
-                                                   std::optional<int64_t> min_local_rows,
-                                                   std::optional<int64_t> pad_to_length_bucket);
+std::tuple<Tensor, Tensor> thd_layout(const Tensor& lengths, int64_t tp_size, int64_t cp_size,
+                                      int64_t cp_layout, bool fp8_padding,
+                                      std::optional<int64_t> min_local_rows,
+                                      std::optional<int64_t> pad_to_length_bucket);
 
 // Everything a device implementation needs, after the checks.
 struct PackCall {
-  at::Tensor values;  // contiguous
-  at::Tensor mask_csum;  // int32 [B, S] or undefined
-  at::Tensor cu, cu_padded;  // contiguous offsets the plan points into
+  Tensor values;     // contiguous
+  Tensor mask_csum;  // int32 [B, S] (padded input only)
+  Tensor cu, cu_padded;  // contiguous offsets the plan points into
+  Tensor packed, positions;  // outputs
   core::PackPlan plan;
-  int64_t out_rows;
-  int64_t row_bytes;
+  int64_t out_rows = 0;
+  int64_t row_bytes = 0;
 };
 
 struct UnpackCall {
-  at::Tensor packed;  // contiguous
-  at::Tensor mask_csum;
-  at::Tensor cu, cu_padded;
+  Tensor packed;  // contiguous
+  Tensor mask_csum;
+  Tensor cu, cu_padded;
+  Tensor out;
   core::UnpackPlan plan;
-  int64_t out_rows;
-  int64_t row_bytes;
+  int64_t out_rows = 0;
+  int64_t row_bytes = 0;
 };
 
 // Shared by the CPU and CUDA implementations: checks, allocates outputs, fills the plan.
-PackCall prepare_pack(const at::Tensor& values, const at::Tensor& cu_seqlens,
-                      const at::Tensor& cu_seqlens_padded, int64_t local_rows, int64_t cp_size,
-                      int64_t cp_rank, const std::string& cp_layout, bool roll,
-                      const std::optional<at::Tensor>& attention_mask, at::Tensor* packed,
-                      at::Tensor* positions);
+PackCall prepare_pack(const Tensor& values, const Tensor& cu_seqlens,
+                      const Tensor& cu_seqlens_padded, int64_t local_rows, int64_t cp_size,
+                      int64_t cp_rank, int64_t cp_layout, bool roll,
+                      const std::optional<Tensor>& attention_mask);
 
-UnpackCall prepare_unpack(const at::Tensor& packed, const at::Tensor& cu_seqlens,
-                          const at::Tensor& cu_seqlens_padded, int64_t total_tokens,
-                          int64_t cp_size, int64_t cp_rank, const std::string& cp_layout,
-                          bool roll, const std::optional<at::Tensor>& attention_mask,
-                          at::Tensor* out);
+UnpackCall prepare_unpack(const Tensor& packed, const Tensor& cu_seqlens,
+                          const Tensor& cu_seqlens_padded, int64_t total_tokens, int64_t cp_size,
+                          int64_t cp_rank, int64_t cp_layout, bool roll,
+                          const std::optional<Tensor>& attention_mask);
 
-std::tuple<at::Tensor, at::Tensor> preprocess_thd_cpu(
-    const at::Tensor& values, const at::Tensor& cu_seqlens, const at::Tensor& cu_seqlens_padded,
-    int64_t local_rows, int64_t cp_size, int64_t cp_rank, const std::string& cp_layout, bool roll,
-    const std::optional<at::Tensor>& attention_mask);
+std::tuple<Tensor, Tensor> preprocess_thd_cpu(const Tensor& values, const Tensor& cu_seqlens,
+                                              const Tensor& cu_seqlens_padded, int64_t local_rows,
+                                              int64_t cp_size, int64_t cp_rank, int64_t cp_layout,
+                                              bool roll, const std::optional<Tensor>& attention_mask);
 
-at::Tensor postprocess_thd_cpu(const at::Tensor& packed, const at::Tensor& cu_seqlens,
-                               const at::Tensor& cu_seqlens_padded, int64_t total_tokens,
-                               int64_t cp_size, int64_t cp_rank, const std::string& cp_layout,
-                               bool roll, const std::optional<at::Tensor>& attention_mask);
-
-std::tuple<at::Tensor, at::Tensor> preprocess_thd_meta(
-    const at::Tensor& values, const at::Tensor& cu_seqlens, const at::Tensor& cu_seqlens_padded,
-    c10::SymInt local_rows, int64_t cp_size, int64_t cp_rank, const std::string& cp_layout,
-    bool roll, const std::optional<at::Tensor>& attention_mask);
-
-at::Tensor postprocess_thd_meta(const at::Tensor& packed, const at::Tensor& cu_seqlens,
-                                const at::Tensor& cu_seqlens_padded, c10::SymInt total_tokens,
-                                int64_t cp_size, int64_t cp_rank, const std::string& cp_layout,
-                                bool roll, const std::optional<at::Tensor>& attention_mask);
+Tensor postprocess_thd_cpu(const Tensor& packed, const Tensor& cu_seqlens,
+                           const Tensor& cu_seqlens_padded, int64_t total_tokens, int64_t cp_size,
+                           int64_t cp_rank, int64_t cp_layout, bool roll,
+                           const std::optional<Tensor>& attention_mask);
 
 #ifdef VERL_OPS_WITH_CUDA
-std::tuple<at::Tensor, at::Tensor> preprocess_thd_cuda(
-    const at::Tensor& values, const at::Tensor& cu_seqlens, const at::Tensor& cu_seqlens_padded,
-    int64_t local_rows, int64_t cp_size, int64_t cp_rank, const std::string& cp_layout, bool roll,
-    const std::optional<at::Tensor>& attention_mask);
+std::tuple<Tensor, Tensor> preprocess_thd_cuda(const Tensor& values, const Tensor& cu_seqlens,
+                                               const Tensor& cu_seqlens_padded, int64_t local_rows,
+                                               int64_t cp_size, int64_t cp_rank, int64_t cp_layout,
+                                               bool roll, const std::optional<Tensor>& attention_mask);
 
-at::Tensor postprocess_thd_cuda(const at::Tensor& packed, const at::Tensor& cu_seqlens,
-                                const at::Tensor& cu_seqlens_padded, int64_t total_tokens,
-                                int64_t cp_size, int64_t cp_rank, const std::string& cp_layout,
-                                bool roll, const std::optional<at::Tensor>& attention_mask);
+Tensor postprocess_thd_cuda(const Tensor& packed, const Tensor& cu_seqlens,
+                            const Tensor& cu_seqlens_padded, int64_t total_tokens, int64_t cp_size,
+                            int64_t cp_rank, int64_t cp_layout, bool roll,
+                            const std::optional<Tensor>& attention_mask);
 #endif
 
 }  // namespace ops

@@ -15,7 +15,7 @@ context-parallel world size / rank / group; for dynamic CP, ``local_cp_size`` wi
 ``get_dynamic_data_context_parallel_groups``), exactly where verl reads them. megatron-core is an
 optional dependency: it is imported inside the functions, so importing this module never needs it.
 
-Differences from verl, all deliberate (the project's operator contracts, OPS.md sections 1-2):
+How the drop-ins relate to verl (the project's operator contracts, OPS.md sections 1-2):
 
 * The :class:`~verl_ops.ThdLayout` built by a preprocess call is attached to the returned
   ``PackedSeqParams`` as ``packed_seq_params.verl_ops_layout`` and reused by the matching
@@ -26,15 +26,19 @@ Differences from verl, all deliberate (the project's operator contracts, OPS.md 
   raise a shape error there).
 * ``preprocess_packed_seqs`` also records ``cp_partition_mode="zigzag"`` when megatron-core's
   ``PackedSeqParams`` has that field (verl's legacy path leaves the default, which is zigzag).
-* Padding rows are always zero; ``position_ids`` of padding rows hold the row's position inside
-  its padded sequence (verl leaves some of them 0). Valid rows are identical to verl's.
-* ``need_roll=True``: values are rolled (position p holds token p+1, the last valid position
-  wraps to token 0), position ids are *not* rolled. verl's callers discard the position ids of
-  rolled tensors (labels, loss masks), and verl's own value at the last valid position of each
-  sequence differs between its CP branches.
+* Every row is verl's (0.9.1), padding rows included: values, ``position_ids`` (0 in padding
+  rows except zigzag first-chunk rows) and, with ``need_roll=True``, verl's rolled values and
+  rolled position ids (README, "Decisions"). The native kernels implement that rule directly.
+* verl's errors word for word where its tests match them, e.g.
+  ``ValueError("Unsupported context parallel layout: interleaved")``.
 * The attention mask may be bool or 0/1 integers (verl needs bool); mismatched inputs (mask vs
   layout, nested offsets vs ``PackedSeqParams``, wrong output shape) raise ``ValueError``.
 * The NPU-only MindSpeed position-id hook of verl's ``preprocess_thd_engine`` is not called.
+* Nested inputs must be ``torch.jagged`` nested tensors without holes (a strided nested tensor or
+  one with offsets plus lengths raises ``ValueError``). Meta-device inputs: the preprocess calls
+  build a layout from the lengths' values and raise a clear ``ValueError`` for a meta mask / meta
+  nested offsets; the postprocess calls run shape-only on meta when ``packed_seq_params`` carries
+  the layout of its preprocess call.
 
 Autograd follows verl: with ``cp > 1`` the postprocess all-gathers every rank's output shard over
 the CP group (``torch.distributed.all_gather`` of the detached shard), and the gradient reaches
@@ -51,6 +55,7 @@ from dataclasses import fields, is_dataclass
 import torch
 
 from .._thd import postprocess_thd, preprocess_thd
+from .._validate import check_jagged, check_plain, host_values_required, is_meta
 from ..layout import CP_LAYOUTS, ThdLayout
 
 __all__ = [
@@ -144,19 +149,33 @@ def _cp_partition_args(cp_layout: str, cp_size: int) -> dict:
 
 
 def _check_cp_layout(op: str, cp_layout) -> None:
+    # verl's exception and message, word for word (its tests match the text).
     if cp_layout not in CP_LAYOUTS:
-        raise ValueError(
-            f"{op}: unsupported context parallel layout {cp_layout!r}; expected one of {CP_LAYOUTS}"
-        )
+        # verl's exception and text, word for word: a drop-in raises what verl raises (verl's own
+        # tests match this exact message), the one place where the message does not start with the op.
+        raise ValueError(f"Unsupported context parallel layout: {cp_layout}")
 
 
-def _bool_mask(op: str, attention_mask: torch.Tensor) -> torch.Tensor:
+def _bool_mask(op: str, attention_mask: torch.Tensor, name: str = "attention_mask") -> torch.Tensor:
+    """A [B, S] mask as bool (0/1 integers accepted, as verl's masks)."""
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.is_nested:
+        raise ValueError(f"{op}: {name} must be a [B, S] tensor, got a nested tensor")
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
         shape = (
             tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         )
-        raise ValueError(f"{op}: attention_mask must be a [B, S] tensor, got {shape}")
+        raise ValueError(f"{op}: {name} must be a [B, S] tensor, got {shape}")
     return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
+
+
+def _host_mask(op: str, mask: torch.Tensor) -> torch.Tensor:
+    """The mask whose row counts build a layout: its values are needed (not on meta)."""
+    if is_meta(mask):
+        raise host_values_required(
+            op, "attention_mask", "lengths",
+            "pass the mask on the CPU or a GPU (a layout is built from its row counts)",
+        )
+    return mask
 
 
 def _local_shard(op: str, output: torch.Tensor, layout: ThdLayout) -> torch.Tensor:
@@ -235,11 +254,12 @@ def preprocess_packed_seqs(
         shard with alignment ``tp*cp*2`` (cp > 1) or ``tp`` (cp == 1), zero in padding rows.
     """
     op = "preprocess_packed_seqs"
+    check_plain(op, "input_ids", input_ids)
     mpu = _mpu()
     tp_size = mpu.get_tensor_model_parallel_world_size()
     cp_size = mpu.get_context_parallel_world_size()
     cp_rank = mpu.get_context_parallel_rank()
-    mask = _bool_mask(op, attention_mask)
+    mask = _host_mask(op, _bool_mask(op, attention_mask))
     layout = ThdLayout.from_lengths(
         mask.sum(dim=-1),
         tp_size=tp_size,
@@ -273,6 +293,7 @@ def postprocess_packed_seqs(
     op = "postprocess_packed_seqs"
     if not post_process:
         return output
+    check_plain(op, "output", output)
     mpu = _mpu()
     cp_size = mpu.get_context_parallel_world_size()
     mask = _bool_mask(op, attention_mask)
@@ -285,7 +306,7 @@ def postprocess_packed_seqs(
     if layout is None:
         layout = _layout_from_padded_offsets(
             op,
-            mask.sum(dim=-1),
+            _host_mask(op, mask).sum(dim=-1),
             packed_seq_params.cu_seqlens_q_padded,
             tp_size=mpu.get_tensor_model_parallel_world_size(),
             cp_size=cp_size,
@@ -316,8 +337,8 @@ def preprocess_thd_engine(
     Args:
         input_ids: jagged nested tensor ``[B, j, *F]``.
         pre_process: pack ``input_ids``; when False returns ``(input_ids, packed_seq_params, None)``.
-        need_roll: next-token targets (labels): position p holds token p+1, the last valid
-            position wraps to token 0. Position ids are not rolled.
+        need_roll: next-token targets (labels): verl's rolled values and rolled position ids,
+            row for row (README, "Decisions").
         use_fp8_padding: FP8 alignment rules (OPS.md section 1).
         local_cp_size: dynamic CP: CP size of this micro-batch; the group comes from
             ``mpu.get_dynamic_data_context_parallel_groups(group_size=local_cp_size)`` and is
@@ -332,8 +353,11 @@ def preprocess_thd_engine(
     """
     op = "preprocess_thd_engine"
     _check_cp_layout(op, cp_layout)
-    if not (isinstance(input_ids, torch.Tensor) and input_ids.is_nested):
-        raise ValueError(f"{op}: input_ids must be a jagged nested tensor, got {type(input_ids)}")
+    check_jagged(op, "input_ids", input_ids)
+    if is_meta(input_ids.offsets()):
+        raise host_values_required(
+            op, "input_ids", "offsets", "pass a nested tensor whose offsets live on the CPU or a GPU"
+        )
     mpu = _mpu()
     tp_size = mpu.get_tensor_model_parallel_world_size()
     extra = {}
@@ -348,8 +372,6 @@ def preprocess_thd_engine(
         cp_rank = mpu.get_context_parallel_rank()
     extra.update(_cp_partition_args(cp_layout, cp_size))
     offsets = input_ids.offsets()
-    if offsets is None or input_ids._lengths is not None:
-        raise ValueError(f"{op}: input_ids must be a contiguous jagged nested tensor (layout=torch.jagged)")
     layout = ThdLayout.from_lengths(
         offsets.diff(),
         tp_size=tp_size,
@@ -388,8 +410,8 @@ def postprocess_thd_engine(
     _check_cp_layout(op, cp_layout)
     if not post_process:
         return output
-    if not (isinstance(input_ids, torch.Tensor) and input_ids.is_nested):
-        raise ValueError(f"{op}: input_ids must be the jagged nested batch that was packed")
+    check_plain(op, "output", output)
+    check_jagged(op, "input_ids", input_ids)
     mpu = _mpu()
     if local_cp_size is not None:
         cp_size = local_cp_size
@@ -401,10 +423,18 @@ def postprocess_thd_engine(
         cp_rank = mpu.get_context_parallel_rank()
     if input_ids.size(0) != batch_size:
         raise ValueError(f"{op}: input_ids has {input_ids.size(0)} sequences but batch_size={batch_size}")
-    offsets_cpu = input_ids.offsets().detach().to("cpu", torch.int64)
     layout = _attached_layout(op, packed_seq_params, cp_size, cp_layout)
-    if layout is not None and not torch.equal(offsets_cpu, layout.cu_seqlens_cpu.to(torch.int64)):
-        raise ValueError(f"{op}: input_ids' offsets do not match the packed_seq_params' layout")
+    offsets = input_ids.offsets()
+    if is_meta(offsets):
+        # Shape inference: the attached layout decides the shapes; without one, there are no lengths.
+        if layout is None:
+            raise host_values_required(
+                op, "input_ids", "offsets", "pass the packed_seq_params of the preprocess call (with its layout)"
+            )
+    else:
+        offsets_cpu = offsets.detach().to("cpu", torch.int64)
+        if layout is not None and not torch.equal(offsets_cpu, layout.cu_seqlens_cpu.to(torch.int64)):
+            raise ValueError(f"{op}: input_ids' offsets do not match the packed_seq_params' layout")
     if layout is None:
         layout = _layout_from_padded_offsets(
             op,
@@ -433,8 +463,21 @@ _DROP_INS = {
     "postprocess_thd_engine": postprocess_thd_engine,
 }
 _UTIL_MODULE = "verl.models.mcore.util"
+# Module that owns each drop-in in verl (the one install() patches first); default _UTIL_MODULE.
+_OWNERS: dict[str, str] = {}
 # (module name, attribute) -> verl's original function, for uninstall().
 _ORIGINALS: dict[tuple[str, str], object] = {}
+#: What the last :func:`install` did: ``{"patched": [...], "missing": [...], "incompatible": [...]}``.
+last_report: dict[str, list[str]] = {"patched": [], "missing": [], "incompatible": []}
+
+
+def _all_drop_ins() -> dict:
+    """The THD drop-ins above plus the BSHD / dict-output / VLM-mask ones (verl_bshd)."""
+    from . import verl_bshd
+
+    out = dict(_DROP_INS)
+    out.update({name: getattr(verl_bshd, name) for name in verl_bshd.__all__})
+    return out
 
 
 def _accepts(ours, theirs) -> bool:
@@ -447,55 +490,69 @@ def _accepts(ours, theirs) -> bool:
     return mine[: len(other)] == other
 
 
-def install(*, strict: bool = False) -> list[str]:
+def install(*, strict: bool = False, report: bool = False):
     """Swap the drop-ins into verl.
 
-    Replaces ``preprocess_packed_seqs``, ``postprocess_packed_seqs``, ``preprocess_thd_engine`` and
-    ``postprocess_thd_engine`` in ``verl.models.mcore.util`` and in every already-imported
-    ``verl.*`` module that imported them by name (e.g. ``verl.models.mcore.model_forward``,
-    ``verl.utils.megatron.router_replay_utils``); modules imported later pick the drop-ins up from
-    ``verl.models.mcore.util``. A function whose verl parameters are not a prefix of ours (a
-    newer/forked verl with parameters the drop-in lacks) is left alone with a warning.
+    Replaces the THD functions (``preprocess_packed_seqs``, ``postprocess_packed_seqs``,
+    ``preprocess_thd_engine``, ``postprocess_thd_engine``) and the BSHD / dict-output / VLM-mask
+    ones of :mod:`verl_ops.integrations.verl_bshd` (``preprocess_bshd_engine``,
+    ``postprocess_bshd_engine``, ``preprocess_bshd``, ``postprocess_bshd``,
+    ``postprocess_packed_seqs_for_dict_output``, ``build_vlm_attn_mask_thd``,
+    ``build_vlm_attn_mask_bshd``) in the verl module that owns them (``verl.models.mcore.util``)
+    and in every already-imported ``verl.*`` module that imported them by name (e.g.
+    ``verl.models.mcore.model_forward``); modules imported later pick the drop-ins up from the
+    owner. A function this verl does not have is reported as missing; one whose verl parameters
+    are not a prefix of ours (a newer/forked verl with parameters the drop-in lacks) is left
+    alone, reported as incompatible, with a warning.
 
-    Returns the patched names as ``"module.attribute"`` (newly patched by this call; a second
-    call returns ``[]`` unless new modules appeared). When verl (or megatron-core, which verl's
-    module imports) is not importable, returns ``[]`` — or raises ``ImportError`` if
-    ``strict=True``. Undo with :func:`uninstall`.
+    Returns the patched names as ``"module.attribute"`` (newly patched by this call), or with
+    ``report=True`` the dict ``{"patched": [...], "missing": [...], "incompatible": [...]}`` (also
+    kept in :data:`last_report`). When verl (or megatron-core, which verl's module imports) is not
+    importable, nothing is patched — or ``ImportError`` is raised if ``strict=True``. Undo with
+    :func:`uninstall`.
     """
-    try:
-        import importlib
+    import importlib
 
-        util = importlib.import_module(_UTIL_MODULE)
-    except ImportError:
-        if strict:
-            raise
-        return []
+    drop_ins = _all_drop_ins()
+    result = {"patched": [], "missing": [], "incompatible": []}
     originals = {}
-    for name, ours in _DROP_INS.items():
-        current = getattr(util, name, None)
-        if current is None:
+    for name, ours in drop_ins.items():
+        owner = _OWNERS.get(name, _UTIL_MODULE)
+        try:
+            mod = importlib.import_module(owner)
+        except ImportError:
+            if strict:
+                raise
+            result["missing"].append(f"{owner}.{name}")
             continue
-        theirs = _ORIGINALS.get((_UTIL_MODULE, name), current)
+        current = getattr(mod, name, None)
+        if current is None:
+            result["missing"].append(f"{owner}.{name}")
+            continue
+        theirs = _ORIGINALS.get((owner, name), current)
         if theirs is ours:
             continue
         if not _accepts(ours, theirs):
             warnings.warn(
-                f"verl_ops.integrations.verl.install: {_UTIL_MODULE}.{name} has parameters the drop-in "
+                f"verl_ops.integrations.verl.install: {owner}.{name} has parameters the drop-in "
                 f"does not support ({inspect.signature(theirs)}); leaving verl's version in place",
                 stacklevel=2,
             )
+            result["incompatible"].append(f"{owner}.{name}")
             continue
         originals[name] = theirs
-    patched = []
     for mod_name, mod in list(sys.modules.items()):
         if mod is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
             continue
         for name, theirs in originals.items():
             if getattr(mod, name, None) is theirs:
                 _ORIGINALS.setdefault((mod_name, name), theirs)
-                setattr(mod, name, _DROP_INS[name])
-                patched.append(f"{mod_name}.{name}")
-    return sorted(patched)
+                setattr(mod, name, drop_ins[name])
+                result["patched"].append(f"{mod_name}.{name}")
+    result = {k: sorted(v) for k, v in result.items()}
+    last_report.clear()
+    last_report.update(result)
+    return result if report else result["patched"]
 
 
 def uninstall() -> list[str]:
@@ -503,7 +560,7 @@ def uninstall() -> list[str]:
     restored = []
     for (mod_name, name), theirs in list(_ORIGINALS.items()):
         mod = sys.modules.get(mod_name)
-        if mod is not None and getattr(mod, name, None) is _DROP_INS[name]:
+        if mod is not None and getattr(mod, name, None) is _all_drop_ins()[name]:
             setattr(mod, name, theirs)
             restored.append(f"{mod_name}.{name}")
         del _ORIGINALS[(mod_name, name)]

@@ -48,7 +48,8 @@ import torch
 
 from ..layout import ThdLayout
 from ..router import merge_router_topk, scatter_router_topk
-from .verl import LAYOUT_ATTR, _mpu
+from .._validate import check_jagged, host_values_required, is_meta
+from .verl import LAYOUT_ATTR, _bool_mask, _mpu
 
 __all__ = ["layout_options", "merge_router_topk_indices", "router_layout", "set_router_replay_data"]
 
@@ -96,25 +97,29 @@ def _cp_of(mpu, local_cp_size):
 def _layout_for(op, lengths, tf_config, tp_size, cp_size, nested, device, packed_seq_params) -> ThdLayout:
     layout = getattr(packed_seq_params, LAYOUT_ATTR, None) if packed_seq_params is not None else None
     if isinstance(layout, ThdLayout):
-        want = torch.as_tensor(lengths).detach().to("cpu", torch.int64)
         if layout.tp_size != tp_size or layout.cp_size != cp_size:
             raise ValueError(
                 f"{op}: packed_seq_params' layout was built for tp_size={layout.tp_size}, "
                 f"cp_size={layout.cp_size} "
                 f"but this call runs with tp_size={tp_size}, cp_size={cp_size}"
             )
+        if is_meta(lengths):  # shape inference: the attached layout decides the shapes
+            if lengths.shape[0] != layout.batch_size:
+                raise ValueError(
+                    f"{op}: the batch has {lengths.shape[0]} sequences but packed_seq_params' layout has "
+                    f"{layout.batch_size}"
+                )
+            return layout
+        want = torch.as_tensor(lengths).detach().to("cpu", torch.int64)
         if tuple(want.tolist()) != layout.lengths:
             raise ValueError(f"{op}: the batch's sequence lengths do not match packed_seq_params' layout")
         return layout
+    if is_meta(lengths):
+        raise host_values_required(
+            op, "the batch" if nested else "attention_mask", "lengths",
+            "pass it on the CPU or a GPU, or pass packed_seq_params= with the model's layout",
+        )
     return router_layout(lengths, tf_config, tp_size=tp_size, cp_size=cp_size, nested=nested, device=device)
-
-
-def _bool_mask(op: str, attention_mask) -> torch.Tensor:
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        is_tensor = isinstance(attention_mask, torch.Tensor)
-        shape = tuple(attention_mask.shape) if is_tensor else type(attention_mask)
-        raise ValueError(f"{op}: attention_mask must be a [B, S] tensor, got {shape}")
-    return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
 
 
 def _first_device(layers_topk_idx):
@@ -160,6 +165,7 @@ def merge_router_topk_indices(
     tp_group = mpu.get_tensor_model_parallel_group() if tp_size > 1 else None
     device = _first_device(layers_topk_idx)
     if isinstance(input_ids, torch.Tensor) and input_ids.is_nested:
+        check_jagged(op, "input_ids", input_ids)
         cp_size, _, cp_group = _cp_of(mpu, local_cp_size)
         lengths = input_ids.offsets().diff()
         layout = _layout_for(op, lengths, tf_config, tp_size, cp_size, True, device, packed_seq_params)
@@ -208,12 +214,13 @@ def set_router_replay_data(
     op = "set_router_replay_data"
     del vp_rank
     if not isinstance(layers_topk_idx, torch.Tensor):
-        raise ValueError(f"{op}: layers_topk_idx must be a tensor, got {type(layers_topk_idx)}")
+        raise TypeError(f"{op}: layers_topk_idx must be a tensor, got {type(layers_topk_idx).__name__}")
     mpu = _mpu()
     tp_size = mpu.get_tensor_model_parallel_world_size()
     tp_rank = mpu.get_tensor_model_parallel_rank() if tp_size > 1 else 0
     device = layers_topk_idx.device
     if layers_topk_idx.is_nested:
+        check_jagged(op, "layers_topk_idx", layers_topk_idx)
         cp_size, cp_rank, _ = _cp_of(mpu, local_cp_size)
         lengths = layers_topk_idx.offsets().diff()
         layout = _layout_for(op, lengths, tf_config, tp_size, cp_size, True, device, packed_seq_params)
@@ -226,7 +233,7 @@ def set_router_replay_data(
         lengths = mask.sum(dim=-1)
         layout = _layout_for(op, lengths, tf_config, tp_size, cp_size, False, device, packed_seq_params)
         if replay_mask is not None:
-            replay_mask = _bool_mask(op, replay_mask).to(device)
+            replay_mask = _bool_mask(op, replay_mask, "replay_mask").to(device)
         targets, packed_mask = scatter_router_topk(
             layers_topk_idx,
             layout,

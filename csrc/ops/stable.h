@@ -1,0 +1,344 @@
+// The binding layer's one dependency on torch: the LibTorch stable ABI (torch/csrc/stable), built
+// with TORCH_TARGET_VERSION = 2.9 so one binary serves every later torch of its CUDA major.
+//
+// Everything the ops need from torch goes through this header: error checks that format the
+// message themselves (the op and the argument first), tensor creation, the few aten ops that are
+// called through the dispatcher, the current CUDA stream, and checked integer arithmetic for sizes.
+#pragma once
+
+#include <torch/csrc/inductor/aoti_torch/c/shim.h>
+#include <torch/csrc/stable/accelerator.h>
+#include <torch/csrc/stable/library.h>
+#include <torch/csrc/stable/ops.h>
+#include <torch/csrc/stable/tensor.h>
+#include <torch/headeronly/core/ScalarType.h>
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <limits>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#ifdef VERL_OPS_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#include "../core/thd_layout.h"
+
+namespace verl_ops {
+namespace st {
+
+using Tensor = torch::stable::Tensor;
+using ScalarType = torch::headeronly::ScalarType;
+
+// ---- what differs between the stable headers of torch 2.9 and 2.10+ ----------------------------
+// The same sources build against every torch from 2.9.1 on. torch 2.10 moved the StableIValue
+// conversions into torch::stable::detail and added TORCH_BOX, copy_, element_size and toString;
+// 2.9 has the conversions at global scope and none of the rest. So this header uses only what
+// both have: the conversions through sv_from / sv_to below, its own boxing (VERL_BOX), and the
+// C shim (aoti_torch_*) for the copy, the element size and the dtype names.
+#if __has_include(<torch/csrc/stable/version.h>)
+#define VERL_OPS_STABLE_DETAIL 1
+#endif
+
+template <typename T>
+StableIValue sv_from(T v) {
+#ifdef VERL_OPS_STABLE_DETAIL
+  return torch::stable::detail::from(v);
+#else
+  return from(v);
+#endif
+}
+
+template <typename T>
+T sv_to(StableIValue v) {
+#ifdef VERL_OPS_STABLE_DETAIL
+  return torch::stable::detail::to<T>(v);
+#else
+  return to<T>(v);
+#endif
+}
+
+constexpr ScalarType kBool = ScalarType::Bool;
+constexpr ScalarType kByte = ScalarType::Byte;
+constexpr ScalarType kChar = ScalarType::Char;
+constexpr ScalarType kShort = ScalarType::Short;
+constexpr ScalarType kInt = ScalarType::Int;
+constexpr ScalarType kLong = ScalarType::Long;
+constexpr ScalarType kHalf = ScalarType::Half;
+constexpr ScalarType kBFloat16 = ScalarType::BFloat16;
+constexpr ScalarType kFloat = ScalarType::Float;
+constexpr ScalarType kDouble = ScalarType::Double;
+
+// ---- messages and checks ---------------------------------------------------------------------
+
+template <typename... Args>
+std::string cat(const Args&... args) {
+  std::ostringstream os;
+  ((os << args), ...);
+  return os.str();
+}
+
+// Throws RuntimeError with exactly the given text (no file / line prefix): every message starts
+// with the op's name and names the argument.
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  throw std::runtime_error(cat(args...));
+}
+
+#define VERL_CHECK(cond, ...)                          \
+  do {                                                 \
+    if (__builtin_expect(!(cond), 0)) {                \
+      ::verl_ops::st::fail(__VA_ARGS__);               \
+    }                                                  \
+  } while (0)
+
+inline const char* dtype_name(ScalarType t) {
+  switch (t) {
+    case ScalarType::Bool: return "Bool";
+    case ScalarType::Byte: return "Byte";
+    case ScalarType::Char: return "Char";
+    case ScalarType::Short: return "Short";
+    case ScalarType::Int: return "Int";
+    case ScalarType::Long: return "Long";
+    case ScalarType::Half: return "Half";
+    case ScalarType::BFloat16: return "BFloat16";
+    case ScalarType::Float: return "Float";
+    case ScalarType::Double: return "Double";
+    case ScalarType::ComplexHalf: return "ComplexHalf";
+    case ScalarType::ComplexFloat: return "ComplexFloat";
+    case ScalarType::ComplexDouble: return "ComplexDouble";
+    case ScalarType::Float8_e5m2: return "Float8_e5m2";
+    case ScalarType::Float8_e4m3fn: return "Float8_e4m3fn";
+    case ScalarType::Float8_e5m2fnuz: return "Float8_e5m2fnuz";
+    case ScalarType::Float8_e4m3fnuz: return "Float8_e4m3fnuz";
+    case ScalarType::UInt16: return "UInt16";
+    case ScalarType::UInt32: return "UInt32";
+    case ScalarType::UInt64: return "UInt64";
+    default: return "an unsupported dtype";
+  }
+}
+
+inline std::string shape_of(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
+  return s + "]";
+}
+
+inline std::string device_of(const Tensor& t) {
+  if (t.is_cpu()) return "cpu";
+  if (t.is_cuda()) return "cuda:" + std::to_string(t.get_device_index());
+  int32_t type = 0;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_device_type(t.get(), &type));
+  return type == aoti_torch_device_type_meta() ? "meta" : "device type " + std::to_string(type);
+}
+
+inline bool same_device(const Tensor& a, const Tensor& b) {
+  return a.is_cpu() == b.is_cpu() && a.is_cuda() == b.is_cuda() &&
+         (!a.is_cuda() || a.get_device_index() == b.get_device_index());
+}
+
+inline bool is_integral(ScalarType t) {
+  return t == kByte || t == kChar || t == kShort || t == kInt || t == kLong;
+}
+
+inline bool is_floating(ScalarType t) {
+  return t == kHalf || t == kBFloat16 || t == kFloat || t == kDouble;
+}
+
+// ---- checked integer arithmetic (sizes, ranks, products) ---------------------------------------
+
+inline int64_t checked_mul(const char* op, const char* what, int64_t a, int64_t b) {
+  int64_t r;
+  VERL_CHECK(!__builtin_mul_overflow(a, b, &r), op, ": ", what, " overflows int64 (", a, " * ", b,
+             ")");
+  return r;
+}
+
+inline int64_t checked_add(const char* op, const char* what, int64_t a, int64_t b) {
+  int64_t r;
+  VERL_CHECK(!__builtin_add_overflow(a, b, &r), op, ": ", what, " overflows int64 (", a, " + ", b,
+             ")");
+  return r;
+}
+
+// A size or rank argument that the kernels hold in int32.
+inline int32_t int32_arg(const char* op, const char* name, int64_t v, int64_t lo = 0) {
+  VERL_CHECK(v >= lo && v <= std::numeric_limits<int32_t>::max(), op, ": ", name, " must be in [",
+             lo, ", ", std::numeric_limits<int32_t>::max(), "], got ", v);
+  return static_cast<int32_t>(v);
+}
+
+// cp_size in [1, 2^30] and cp_rank in [-1 (all ranks) or 0, cp_size).
+inline void check_cp(const char* op, int64_t cp_size, int64_t cp_rank, bool allow_all) {
+  VERL_CHECK(cp_size >= 1 && cp_size <= (int64_t{1} << 30), op, ": cp_size must be in [1, 2^30], got ",
+             cp_size);
+  VERL_CHECK(cp_rank >= (allow_all ? -1 : 0) && cp_rank < cp_size, op, ": cp_rank must be in [0, cp_size=",
+             cp_size, ")", allow_all ? " (or -1 for all ranks)" : "", ", got ", cp_rank);
+}
+
+// The int cp_layout argument of the raw ops (the stable ABI at 2.9 has no str arguments; the
+// Python API takes the names): 0 = zigzag, 1 = contiguous.
+inline core::CpLayout cp_layout_arg(const char* op, int64_t cp_layout) {
+  if (cp_layout == 0) return core::CpLayout::kZigzag;
+  if (cp_layout == 1) return core::CpLayout::kContiguous;
+  fail(op, ": cp_layout must be 0 (zigzag) or 1 (contiguous), got ", cp_layout);
+}
+
+// ---- tensors ----------------------------------------------------------------------------------
+
+inline std::vector<int64_t> sizes_of(const Tensor& t) {
+  std::vector<int64_t> s(static_cast<size_t>(t.dim()));
+  for (int64_t d = 0; d < t.dim(); ++d) s[static_cast<size_t>(d)] = t.size(d);
+  return s;
+}
+
+// Uninitialised / zero tensor on `like`'s device.
+// (new_empty / new_zeros take a std::vector at 2.9 and an array ref, built from one, later.)
+inline Tensor empty(const Tensor& like, const std::vector<int64_t>& sizes, ScalarType dtype) {
+  return torch::stable::new_empty(like, sizes, dtype);
+}
+
+inline Tensor zeros(const Tensor& like, const std::vector<int64_t>& sizes, ScalarType dtype) {
+  return torch::stable::new_zeros(like, sizes, dtype);
+}
+
+// dst <- src (same shape; dtype converted).
+inline void copy_into(const Tensor& dst, const Tensor& src) {
+  TORCH_ERROR_CODE_CHECK(aoti_torch_copy_(dst.get(), src.get(), /*non_blocking=*/0));
+}
+
+inline Tensor contiguous(const Tensor& t) {
+  if (t.is_contiguous()) return t;
+  Tensor out = empty(t, sizes_of(t), t.scalar_type());
+  copy_into(out, t);
+  return out;
+}
+
+inline int64_t element_size(const Tensor& t) {
+  int32_t dtype = 0;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(t.get(), &dtype));
+  return static_cast<int64_t>(aoti_torch_dtype_element_size(dtype));
+}
+
+// Row-major elements of dims [skip, dim) times the element size.
+inline int64_t row_bytes(const char* op, const Tensor& t, int64_t skip) {
+  int64_t n = element_size(t);
+  for (int64_t d = skip; d < t.dim(); ++d) n = checked_mul(op, "the row size", n, t.size(d));
+  return n;
+}
+
+template <typename T>
+T* ptr(const Tensor& t) {
+  return static_cast<T*>(t.data_ptr());
+}
+
+// Any aten op through the dispatcher: arguments in schema order, returns in `stack[0..]`.
+template <size_t N = 8, typename... Args>
+std::array<StableIValue, N> call_aten(const char* name, const char* overload, Args... args) {
+  static_assert(sizeof...(Args) <= N, "call_aten: stack too small");
+  std::array<StableIValue, N> stack{};
+  size_t i = 0;
+  ((stack[i++] = sv_from(args)), ...);
+  TORCH_ERROR_CODE_CHECK(aoti_torch_call_dispatcher(name, overload, stack.data()));
+  return stack;
+}
+
+inline Tensor to_tensor(StableIValue v) { return sv_to<Tensor>(v); }
+
+// Views through the dispatcher (torch 2.9's stable ops have no flatten / unsqueeze).
+inline Tensor flatten(const Tensor& t, int64_t start_dim, int64_t end_dim) {
+  return to_tensor(call_aten("aten::flatten", "using_ints", t, start_dim, end_dim)[0]);
+}
+
+inline Tensor unsqueeze(const Tensor& t, int64_t dim) {
+  return to_tensor(call_aten("aten::unsqueeze", "", t, dim)[0]);
+}
+
+inline int64_t storage_offset(const Tensor& t) {
+  int64_t off = 0;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_storage_offset(t.get(), &off));
+  return off;
+}
+
+// Inclusive prefix counts of a bool [B, S] mask along dim 1, as int32.
+inline Tensor cumsum_int32(const Tensor& mask) {
+  return to_tensor(call_aten("aten::cumsum", "", mask, int64_t{1},
+                             std::optional<ScalarType>(kInt))[0]);
+}
+
+// A CPU int32 copy of a 1-D tensor (host reads of small index tensors only).
+inline Tensor to_dtype(const Tensor& t, ScalarType dtype) {
+  if (t.scalar_type() == dtype) return t;
+  Tensor out = empty(t, sizes_of(t), dtype);
+  copy_into(out, t);
+  return out;
+}
+
+#ifdef VERL_OPS_WITH_CUDA
+// The current CUDA stream of the tensor's device (sets nothing).
+inline cudaStream_t current_stream(const Tensor& t) {
+  void* s = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &s));
+  return static_cast<cudaStream_t>(s);
+}
+
+inline void check_launch(const char* op, cudaError_t err) {
+  VERL_CHECK(err == cudaSuccess, op, ": kernel launch failed: ", cudaGetErrorString(err));
+}
+
+using DeviceGuard = torch::stable::accelerator::DeviceGuard;
+
+// The device a CUDA kernel of `t`'s op runs on: t's, or the current one when t is not a CUDA
+// tensor (dispatch reaches the CUDA kernel when any argument is on CUDA; the checks then report
+// the device mix).
+inline int32_t guard_index(const Tensor& t) {
+  return t.is_cuda() ? t.get_device_index() : torch::stable::accelerator::getCurrentDeviceIndex();
+}
+#endif
+
+// ---- boxing (TORCH_BOX exists from torch 2.10 on only) -----------------------------------------
+// VERL_BOX(&fn): the boxed kernel of `R fn(Args...)`: arguments from the stack in schema order
+// (each handle's ownership moves into the argument, as the stable ABI hands it over), returns
+// (a Tensor or a std::tuple of Tensors) written back from stack[0].
+template <typename T>
+using unboxed_t = std::remove_cv_t<std::remove_reference_t<T>>;
+
+template <typename R>
+void box_returns(StableIValue* stack, R&& r) {
+  if constexpr (std::is_same_v<unboxed_t<R>, Tensor>) {
+    stack[0] = sv_from(r);
+  } else {
+    std::apply([&](auto&... x) {
+      size_t i = 0;
+      ((stack[i++] = sv_from(x)), ...);
+    }, r);
+  }
+}
+
+template <auto F>
+struct Boxed;
+
+template <typename R, typename... Args, R (*F)(Args...)>
+struct Boxed<F> {
+  template <size_t... I>
+  static void run(StableIValue* stack, std::index_sequence<I...>) {
+    std::tuple<unboxed_t<Args>...> args{sv_to<unboxed_t<Args>>(stack[I])...};
+    box_returns(stack, F(std::get<I>(args)...));
+  }
+  static void call(StableIValue* stack, uint64_t /*num_args*/, uint64_t /*num_outputs*/) {
+    run(stack, std::index_sequence_for<Args...>{});
+  }
+};
+
+#define VERL_BOX(fn) (&::verl_ops::st::Boxed<fn>::call)
+
+}  // namespace st
+}  // namespace verl_ops

@@ -1,0 +1,338 @@
+"""Fake (Meta) kernels of every op: output shapes, dtypes and strides from the inputs' shapes
+alone, symbolic under torch.compile. They reject the arguments the CPU/CUDA kernels reject without
+reading data (the C++ binding layer, on the stable ABI, cannot take symbolic sizes, so these live
+here). Messages match the C++ ones: "<op>: <argument> ..."."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_INT32_MAX = 2**31 - 1
+_INDEX_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+# int16 overflow flag slots of router_topk_record (core::kOverflowSlots).
+_OVERFLOW_SLOTS = 4096
+
+
+def _fail(op: str, msg: str):
+    raise RuntimeError(f"{op}: {msg}")
+
+
+def _check(cond, op: str, msg: str) -> None:
+    if not cond:
+        _fail(op, msg)
+
+
+def _int_arg(op: str, name: str, v: int, lo: int = 0, hi: int = _INT32_MAX) -> None:
+    _check(lo <= v <= hi, op, f"{name} must be in [{lo}, {hi}], got {v}")
+
+
+def _check_cp(op: str, cp_size: int, cp_rank: int, allow_all: bool) -> None:
+    _check(1 <= cp_size <= 2**30, op, f"cp_size must be in [1, 2^30], got {cp_size}")
+    lo = -1 if allow_all else 0
+    _check(
+        lo <= cp_rank < cp_size,
+        op,
+        f"cp_rank must be in [0, cp_size={cp_size})" + (" (or -1 for all ranks)" if allow_all else "") + f", got {cp_rank}",
+    )
+
+
+def _check_cp_layout(op: str, cp_layout: int) -> None:
+    _check(cp_layout in (0, 1), op, f"cp_layout must be 0 (zigzag) or 1 (contiguous), got {cp_layout}")
+
+
+def _check_offsets(op: str, name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    _check(t.dtype == torch.int32, op, f"{name} must be int32, got {t.dtype}")
+    _check(t.dim() == 1, op, f"{name} must be 1-D with B + 1 >= 1 entries, got shape {tuple(t.shape)}")
+    _check(t.device == like.device, op, f"{name} is on {t.device} but the data is on {like.device}")
+
+
+def _check_mask(op: str, name: str, mask: torch.Tensor, like: torch.Tensor, like_name: str = "the data is") -> None:
+    _check(mask.dtype == torch.bool, op, f"{name} must be bool, got {mask.dtype}")
+    _check(mask.device == like.device, op, f"{name} is on {mask.device} but {like_name} on {like.device}")
+
+
+@torch.library.register_fake("verl_ops::thd_layout")
+def _thd_layout_fake(lengths, tp_size=1, cp_size=1, cp_layout=0, fp8_padding=False, min_local_rows=None,
+                     pad_to_length_bucket=None):
+    op = "thd_layout"
+    _int_arg(op, "tp_size", tp_size, 1)
+    _int_arg(op, "cp_size", cp_size, 1)
+    _check_cp_layout(op, cp_layout)
+    if min_local_rows is not None:
+        _int_arg(op, "min_local_rows", min_local_rows)
+    if pad_to_length_bucket is not None:
+        _check(pad_to_length_bucket > 0, op, f"pad_to_length_bucket must be a positive integer, got {pad_to_length_bucket}")
+    _check(lengths.dim() == 1, op, f"lengths must be 1-D, got shape {tuple(lengths.shape)}")
+    _check(
+        not lengths.dtype.is_floating_point and not lengths.dtype.is_complex and lengths.dtype != torch.bool,
+        op,
+        f"lengths must be an integer tensor, got {lengths.dtype}",
+    )
+    n = lengths.shape[0] + 1
+    return lengths.new_empty((n,), dtype=torch.int32), lengths.new_empty((n,), dtype=torch.int32)
+
+
+def _thd_common(op, data, cu, cu_padded, cp_size, cp_rank, cp_layout):
+    _check_cp_layout(op, cp_layout)
+    _check_cp(op, cp_size, cp_rank, allow_all=True)
+    _check_offsets(op, "cu_seqlens", cu, data)
+    _check_offsets(op, "cu_seqlens_padded", cu_padded, data)
+
+
+@torch.library.register_fake("verl_ops::preprocess_thd")
+def _preprocess_thd_fake(values, cu_seqlens, cu_seqlens_padded, local_rows, cp_size=1, cp_rank=0, cp_layout=0,
+                         roll=False, attention_mask=None):
+    op = "preprocess_thd"
+    _thd_common(op, values, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, cp_layout)
+    torch._check(local_rows >= 0, lambda: f"{op}: local_rows must be >= 0, got {local_rows}")
+    skip = 2 if attention_mask is not None else 1
+    _check(values.dim() >= skip, op, f"values has too few dimensions: {tuple(values.shape)}")
+    if attention_mask is not None:
+        _check_mask(op, "attention_mask", attention_mask, values)
+        _check(attention_mask.dim() == 2, op, f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}")
+    lead = (cp_size, local_rows) if cp_rank < 0 else (local_rows,)
+    packed = values.new_empty(lead + tuple(values.shape[skip:]))
+    positions = values.new_empty(lead, dtype=torch.int64)
+    return packed, positions
+
+
+@torch.library.register_fake("verl_ops::postprocess_thd")
+def _postprocess_thd_fake(packed, cu_seqlens, cu_seqlens_padded, total_tokens, cp_size=1, cp_rank=-1, cp_layout=0,
+                          roll=False, attention_mask=None):
+    op = "postprocess_thd"
+    _thd_common(op, packed, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, cp_layout)
+    skip = 2 if cp_rank < 0 else 1
+    _check(packed.dim() >= skip, op, f"packed has too few dimensions: {tuple(packed.shape)}")
+    if attention_mask is not None:
+        _check_mask(op, "attention_mask", attention_mask, packed)
+        _check(attention_mask.dim() == 2, op, f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}")
+        lead = tuple(attention_mask.shape)
+    else:
+        torch._check(total_tokens >= 0, lambda: f"{op}: total_tokens must be >= 0, got {total_tokens}")
+        lead = (total_tokens,)
+    return packed.new_empty(lead + tuple(packed.shape[skip:]))
+
+
+def _jagged_fake(op, data_name, values, src_starts, cu_out, rows):
+    _check(values.dim() >= 1, op, f"{data_name} must be [rows, *F], got a 0-d tensor")
+    _check(src_starts.dtype == torch.int64, op, f"src_starts must be int64, got {src_starts.dtype}")
+    _check(src_starts.dim() == 1, op, f"src_starts must be 1-D, got {src_starts.dim()} dims")
+    _check(cu_out.dtype == torch.int32, op, f"cu_seqlens_out must be int32, got {cu_out.dtype}")
+    _check(cu_out.dim() == 1, op, f"cu_seqlens_out must be 1-D, got {cu_out.dim()} dims")
+    torch._check(
+        cu_out.shape[0] == src_starts.shape[0] + 1,
+        lambda: f"{op}: cu_seqlens_out must have len(src_starts) + 1 entries",
+    )
+    _check(src_starts.device == values.device, op, f"src_starts is on {src_starts.device} but {data_name} is on {values.device}")
+    _check(cu_out.device == values.device, op, f"cu_seqlens_out is on {cu_out.device} but {data_name} is on {values.device}")
+    torch._check(rows >= 0, lambda: f"{op}: total must be >= 0, got {rows}")
+    return values.new_empty((rows,) + tuple(values.shape[1:]))
+
+
+@torch.library.register_fake("verl_ops::jagged_gather")
+def _jagged_gather_fake(values, src_starts, cu_seqlens_out, total_out):
+    return _jagged_fake("jagged_gather", "values", values, src_starts, cu_seqlens_out, total_out)
+
+
+@torch.library.register_fake("verl_ops::jagged_scatter")
+def _jagged_scatter_fake(grad, src_starts, cu_seqlens_out, total_in):
+    return _jagged_fake("jagged_scatter", "grad", grad, src_starts, cu_seqlens_out, total_in)
+
+
+@torch.library.register_fake("verl_ops::router_topk_record")
+def _router_topk_record_fake(indices, cu_seqlens=None, cu_seqlens_padded=None, total_tokens=0, attention_mask=None):
+    op = "router_topk_record"
+    _check(indices.dtype in _INDEX_DTYPES, op,
+           f"indices must be an integer tensor (uint8, int8, int16, int32 or int64), got {indices.dtype}")
+    _check(indices.dim() == 3, op, f"indices must be [L, T_local_sp, K], got shape {tuple(indices.shape)}")
+    num_layers, rows, topk = indices.shape
+    fused = cu_seqlens is not None or cu_seqlens_padded is not None
+    _check(
+        fused == (cu_seqlens is not None and cu_seqlens_padded is not None),
+        op,
+        "cu_seqlens and cu_seqlens_padded must be given together (fused unpack) or both omitted",
+    )
+    if not fused:
+        _check(attention_mask is None, op, "attention_mask needs cu_seqlens and cu_seqlens_padded")
+        shape = (rows, num_layers, topk)
+    else:
+        _check_offsets(op, "cu_seqlens", cu_seqlens, indices)
+        _check_offsets(op, "cu_seqlens_padded", cu_seqlens_padded, indices)
+        if attention_mask is not None:
+            _check_mask(op, "attention_mask", attention_mask, indices)
+            _check(attention_mask.dim() == 2, op, f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}")
+            shape = tuple(attention_mask.shape) + (num_layers, topk)
+        else:
+            shape = (total_tokens, num_layers, topk)
+    return indices.new_empty(shape, dtype=torch.int16), indices.new_empty((_OVERFLOW_SLOTS,), dtype=torch.int32)
+
+
+if hasattr(torch.ops.verl_ops, "router_topk_record_layers"):
+
+    @torch.library.register_fake("verl_ops::router_topk_record_layers")
+    def _router_topk_record_layers_fake(indices, cu_seqlens=None, cu_seqlens_padded=None, total_tokens=0,
+                                        attention_mask=None):
+        op = "router_topk_record"
+        _check(len(indices) >= 1, op, "indices must hold at least one layer, got an empty list")
+        first = indices[0]
+        _check(first.dim() == 2, op, f"indices[0] must be [T_local_sp, K], got shape {tuple(first.shape)}")
+        for i, t in enumerate(indices):
+            _check(t.dim() == 2, op, f"indices[{i}] must be [T_local_sp, K], got shape {tuple(t.shape)}")
+            _check(t.dtype == first.dtype, op, f"indices[{i}] is {t.dtype} but indices[0] is {first.dtype}")
+            _check(t.device == first.device, op, f"indices[{i}] is on {t.device} but indices[0] is on {first.device}")
+        stacked = first.new_empty((len(indices),) + tuple(first.shape))
+        return _router_topk_record_fake(stacked, cu_seqlens, cu_seqlens_padded, total_tokens, attention_mask)
+
+
+@torch.library.register_fake("verl_ops::router_topk_scatter")
+def _router_topk_scatter_fake(routes, cu_seqlens, cu_seqlens_padded, local_rows, tp_size=1, tp_rank=0, cp_size=1,
+                              cp_rank=0, cp_layout=0, attention_mask=None, replay_mask=None):
+    op = "router_topk_scatter"
+    _check_cp_layout(op, cp_layout)
+    _check(routes.dtype in _INDEX_DTYPES, op,
+           f"routes must be an integer tensor (uint8, int8, int16, int32 or int64), got {routes.dtype}")
+    _int_arg(op, "tp_size", tp_size, 1)
+    _check(0 <= tp_rank < tp_size, op, f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+    _check_cp(op, cp_size, cp_rank, allow_all=False)
+    padded = attention_mask is not None
+    _check(
+        routes.dim() == (4 if padded else 3),
+        op,
+        "routes must be " + ("[B, S, L, K] (with attention_mask)" if padded else "[total_tokens, L, K]")
+        + f", got shape {tuple(routes.shape)}",
+    )
+    _check_offsets(op, "cu_seqlens", cu_seqlens, routes)
+    _check_offsets(op, "cu_seqlens_padded", cu_seqlens_padded, routes)
+    if attention_mask is not None:
+        _check_mask(op, "attention_mask", attention_mask, routes)
+    if replay_mask is not None:
+        _check_mask(op, "replay_mask", replay_mask, routes, "routes are")
+    torch._check(local_rows >= 0, lambda: f"{op}: local_rows must be >= 0, got {local_rows}")
+    rows = local_rows // tp_size
+    targets = routes.new_empty((routes.shape[-2], rows, routes.shape[-1]), dtype=torch.int64)
+    replay = routes.new_empty((rows,) if replay_mask is not None else (0,), dtype=torch.bool)
+    return targets, replay
+
+
+# --- mla -------------------------------------------------------------------------------------
+
+# Mirrors csrc/ops/mla_ops.cpp: the shapes where backend=auto picks the native path (Dqk, Dv,
+# min max_seqlen, min query rows x heads).
+_AUTO_NATIVE = ((192, 128, 1024, 16 * 1024 * 16),)
+_MLA_BACKENDS = ("auto", "padded", "native")
+
+
+def _shares_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One offsets tensor for q and kv: the same tensor, or views of one storage at one offset
+    with one shape (mirrors shares_offsets in csrc/ops/mla_ops.cpp)."""
+    if a is b:
+        return True
+    return (
+        torch._C._is_alias_of(a, b)
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check(t.dim() == 3, op, f"{name} must be 3-D [T, H, D], got {t.dim()} dims")
+        _check(t.dtype.is_floating_point, op, f"{name} must be floating point, got {t.dtype}")
+    _check(k.dtype == q.dtype and v.dtype == q.dtype, op,
+           f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    _check(k.device == q.device and v.device == q.device, op,
+           f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+        _check(cu.dtype == torch.int32, op, f"{name} must be int32, got {cu.dtype}")
+        _check(cu.dim() == 1, op, f"{name} must be 1-D [B + 1], got {cu.dim()} dims")
+        _check(cu.device == q.device, op, f"{name} is on {cu.device} but q is on another device: {q.device}")
+    tq, hq, dqk = q.shape
+    tk, hk = k.shape[0], k.shape[1]
+    dv = v.shape[2]
+    torch._check(cu_q.shape[0] >= 1, lambda: f"{op}: cu_seqlens_q must have B + 1 >= 1 entries")
+    torch._check(cu_kv.shape[0] == cu_q.shape[0], lambda: f"{op}: cu_seqlens_kv must have as many entries as cu_seqlens_q")
+    torch._check(k.shape[2] == dqk, lambda: f"{op}: k must have q's head dim {dqk}, got {k.shape[2]}")
+    torch._check(dv <= dqk, lambda: f"{op}: v's head dim (Dv={dv}) must be <= the q/k head dim (Dqk={dqk})")
+    torch._check(dv >= 1, lambda: f"{op}: v's head dim must be >= 1")
+    torch._check(v.shape[0] == tk, lambda: f"{op}: k and v must have the same number of rows")
+    torch._check(v.shape[1] == hk, lambda: f"{op}: k and v must have the same number of heads")
+    torch._check(hk >= 1, lambda: f"{op}: k must have at least one head")
+    torch._check(hq % hk == 0, lambda: f"{op}: the number of q heads must be a multiple of the number of k/v heads")
+    for name, val in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
+        msg = lambda name=name, val=val: f"{op}: {name} must be in [0, {_INT32_MAX}], got {val}"  # noqa: E731
+        torch._check(val >= 0, msg)
+        torch._check(val <= _INT32_MAX, msg)
+    if softmax_scale is not None:
+        _check(math.isfinite(softmax_scale), op, f"softmax_scale must be finite, got {softmax_scale}")
+    return tq, tk, hq, hk, dqk, dv, cu_q.shape[0] - 1
+
+
+def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets) -> str:
+    """Mirrors resolve_mla_backend in csrc/ops/mla_ops.cpp (shapes only)."""
+    _check(backend in (0, 1, 2), op, f"backend must be 0 (auto), 1 (padded) or 2 (native), got {backend}")
+    name = _MLA_BACKENDS[backend]
+    if name == "padded":
+        return "padded"
+    tq, tk, hq, hk, dqk, dv, batch = sizes
+    uniform = batch * max_q == tq and batch * max_kv == tk
+    same_heads = hq == hk
+    same_len = max_q == max_kv
+    mask_ok = not causal or same_len
+    ragged_ok = causal and same_offsets and same_len and tq == tk
+    if max_q <= 1 and max_kv <= 1:
+        return "padded"
+    if name == "native":
+        _check(uniform or ragged_ok, op, "backend='native' needs a uniform batch or causal self-attention")
+        _check(same_heads, op, "backend='native' needs as many k/v heads as q heads")
+        _check(mask_ok, op, "backend='native' with causal=True needs max_seqlen_q == max_seqlen_kv")
+        return "native"
+    dense_enough = uniform or tq * 4 >= batch * max_q * 3
+    if same_heads and (mask_ok if uniform else ragged_ok) and dense_enough:
+        for r_dqk, r_dv, min_len, min_rows_heads in _AUTO_NATIVE:
+            if dqk == r_dqk and dv == r_dv and max_q >= min_len and tq * hq >= min_rows_heads:
+                return "native"
+    return "padded"
+
+
+def _mla_rows(like, backend, rows, heads, cols, full_cols):
+    if backend == "padded" and cols < full_cols:
+        return like.new_empty((rows, heads, full_cols)).narrow(2, 0, cols)
+    return like.new_empty((rows, heads, cols))
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("verl_ops::mla_forward_padded")
+def _mla_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal=True,
+                      softmax_scale=None, backend=0):
+    op = "mla_forward_padded"
+    s = _mla_sizes(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale)
+    b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal, _shares_offsets(cu_seqlens_q, cu_seqlens_kv))
+    tq, tk, hq, hk, dqk, dv, _ = s
+    return _mla_rows(q, b, tq, hq, dv, dqk), q.new_empty((hq, tq), dtype=_lse_dtype(q))
+
+
+@torch.library.register_fake("verl_ops::mla_backward_padded")
+def _mla_backward_fake(grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                       causal=True, softmax_scale=None, backend=0):
+    op = "mla_backward_padded"
+    s = _mla_sizes(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale)
+    tq, tk, hq, hk, dqk, dv, _ = s
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        _check(t.dim() == 3 and t.dtype == q.dtype and t.device == q.device, op,
+               f"{name} must be a 3-D [Tq, Hq, Dv] tensor of q's dtype and device")
+        torch._check(t.shape[0] == tq and t.shape[1] == hq and t.shape[2] == dv,
+                     lambda name=name: f"{op}: {name} must be [Tq, Hq, Dv] = [{tq}, {hq}, {dv}]")
+    lse_dtype = _lse_dtype(q)
+    _check(softmax_lse.dim() == 2 and softmax_lse.dtype == lse_dtype and softmax_lse.device == q.device, op,
+           f"softmax_lse must be a 2-D [Hq, Tq] tensor of dtype {lse_dtype} on q's device")
+    torch._check(softmax_lse.shape[0] == hq and softmax_lse.shape[1] == tq,
+                 lambda: f"{op}: softmax_lse must be [Hq, Tq] = [{hq}, {tq}]")
+    b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal, _shares_offsets(cu_seqlens_q, cu_seqlens_kv))
+    return q.new_empty((tq, hq, dqk)), k.new_empty((tk, hk, dqk)), _mla_rows(v, b, tk, hk, dv, dqk)

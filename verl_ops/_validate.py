@@ -1,0 +1,173 @@
+"""Argument checks shared by every Python entry point of verl_ops.
+
+Every error names the op and the argument (``"<op>: <argument> must be ..., got ..."``) and is a
+``ValueError`` (a wrong value, or a wrong kind of value where a value was expected, e.g. a float
+length) or a ``TypeError`` (an argument that is not a tensor where a tensor is required), never a
+crash or a silent coercion.
+
+Lengths (:func:`as_lengths`, :func:`lengths_tensor`). A lengths argument is a list / tuple of
+Python ints (``numpy`` integers and other ``__index__`` types too) or an integer tensor of one
+dimension; every entry must be in ``[0, 2**31 - 1]`` (THD offsets are int32). Floats (even ``3.0``),
+bools, strings, nested tensors, complex / bool / float tensors and values outside that range are
+rejected, not converted: ``3.7`` never becomes ``3`` and ``True`` never becomes ``1``.
+
+Nested inputs (:func:`check_jagged`). Every entry point that takes a nested tensor accepts only a
+``torch.jagged`` nested tensor without holes (``nested_tensor_from_jagged(values, offsets)``, no
+``lengths=``): a strided nested tensor or a jagged one with holes (offsets plus lengths, as made by
+``narrow`` or ``nested_tensor_from_jagged(..., lengths=...)``) is rejected with the one message of
+:data:`JAGGED_REQUIREMENT`. Where a plain tensor is required, :func:`check_plain` rejects any
+nested tensor.
+
+Meta tensors (:func:`is_meta`). Validation that reads data to the host is skipped for tensors on the
+``meta`` device, so shape inference runs through every op on meta inputs. What cannot be decided
+from shapes alone — building a :class:`~verl_ops.ThdLayout` or a dynamic-CP plan, which decide
+output shapes from the lengths' *values* — raises a ``ValueError`` saying the op needs host lengths
+(:func:`host_values_required`); build the layout from host lengths with ``device="meta"`` instead.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+JAGGED_REQUIREMENT = (
+    "must be a torch.jagged nested tensor without holes (layout=torch.jagged, contiguous offsets)"
+)
+
+
+def is_meta(t) -> bool:
+    """True for a tensor on the meta device (no data: shape-only checks)."""
+    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+
+
+def host_values_required(op: str, name: str, what: str = "lengths", hint: str | None = None) -> ValueError:
+    """The error for a meta tensor whose values an op must read (they decide output shapes)."""
+    if hint is None:
+        hint = (
+            "pass them on the CPU or a GPU; for shape inference build the layout from host lengths "
+            "with ThdLayout.from_lengths(..., device='meta')"
+        )
+    return ValueError(
+        f"{op}: {name} is a meta tensor, but {op} needs host {what} (their values decide the output "
+        f"shapes); {hint}"
+    )
+
+
+def _is_integer_dtype(dtype: torch.dtype) -> bool:
+    return not (dtype.is_floating_point or dtype.is_complex or dtype == torch.bool)
+
+
+def _describe(v) -> str:
+    if isinstance(v, torch.Tensor):
+        return f"a {v.dtype} tensor of shape {tuple(v.shape)}"
+    return f"{v!r} ({type(v).__name__})"
+
+
+def as_int(op: str, name: str, v, *, lo: int | None = None, hi: int = INT64_MAX) -> int:
+    """``v`` as a Python int in ``[lo, hi]`` (bools, floats, strings rejected)."""
+    if isinstance(v, bool) or isinstance(v, torch.Tensor) or not hasattr(type(v), "__index__"):
+        raise ValueError(f"{op}: {name} must be an int, got {_describe(v)}")
+    n = operator.index(v)
+    if (lo is not None and n < lo) or n > hi:
+        lo_s = "-inf" if lo is None else str(lo)
+        raise ValueError(f"{op}: {name} must be an int in [{lo_s}, {hi}], got {n}")
+    return n
+
+
+def as_bool(op: str, name: str, v) -> bool:
+    """``v`` as a bool: True / False (or 0 / 1); anything else (a string, None, 2) is an error."""
+    if isinstance(v, bool):
+        return v
+    if not isinstance(v, torch.Tensor) and hasattr(type(v), "__index__") and operator.index(v) in (0, 1):
+        return bool(operator.index(v))
+    if type(v).__name__ == "bool_":  # numpy.bool_
+        return bool(v)
+    raise ValueError(f"{op}: {name} must be a bool, got {_describe(v)}")
+
+
+def lengths_tensor(op: str, name: str, lengths) -> torch.Tensor:
+    """Checked lengths as a CPU int64 tensor ``[B]`` (one host read for a device tensor)."""
+    if isinstance(lengths, torch.Tensor):
+        if lengths.is_nested:
+            raise ValueError(
+                f"{op}: {name} must be a 1-D integer tensor or a list of ints, got a nested tensor"
+            )
+        if lengths.dim() != 1:
+            raise ValueError(f"{op}: {name} must be 1-D, got shape {tuple(lengths.shape)}")
+        if not _is_integer_dtype(lengths.dtype):
+            raise ValueError(f"{op}: {name} must be integers, got {lengths.dtype}")
+        if is_meta(lengths):
+            raise host_values_required(op, name)
+        if lengths.dtype in (torch.uint64, torch.uint32):
+            # Values above 2**63 - 1 would wrap in int64: check them as Python ints.
+            return lengths_tensor(op, name, lengths.tolist())
+        host = lengths.detach().to("cpu", torch.int64)
+        bad = (host < 0) | (host > INT32_MAX)
+        if host.numel() and bool(bad.any()):
+            i = int(bad.nonzero()[0])
+            _raise_bad_length(op, name, i, int(host[i]))
+        return host
+    return torch.tensor(as_lengths(op, name, lengths), dtype=torch.int64)
+
+
+def _raise_bad_length(op: str, name: str, i: int, n: int):
+    if n < 0:
+        raise ValueError(f"{op}: {name} must be >= 0, got {name}[{i}]={n}")
+    raise ValueError(
+        f"{op}: {name}[{i}]={n} is too large: lengths must be <= 2**31 - 1 (THD offsets are int32)"
+    )
+
+
+def as_lengths(op: str, name: str, lengths) -> list:
+    """Checked lengths as a list of Python ints (see the module doc for what is accepted)."""
+    if isinstance(lengths, torch.Tensor):
+        return lengths_tensor(op, name, lengths).tolist()
+    if isinstance(lengths, (str, bytes)) or not isinstance(lengths, Sequence):
+        raise ValueError(
+            f"{op}: {name} must be a list of ints or a 1-D integer tensor, got {type(lengths).__name__}"
+        )
+    out = []
+    for i, v in enumerate(lengths):
+        if isinstance(v, bool) or isinstance(v, (str, bytes)) or not hasattr(type(v), "__index__"):
+            raise ValueError(f"{op}: {name}[{i}] must be an int, got {_describe(v)}")
+        if isinstance(v, torch.Tensor) and (v.dim() != 0 or not _is_integer_dtype(v.dtype) or is_meta(v)):
+            raise ValueError(f"{op}: {name}[{i}] must be an int, got {_describe(v)}")
+        n = operator.index(v)
+        if n < 0 or n > INT32_MAX:
+            _raise_bad_length(op, name, i, n)
+        out.append(n)
+    return out
+
+
+def check_jagged(op: str, name: str, x) -> None:
+    """``x`` is a jagged nested tensor without holes (or raise the one shared message)."""
+    if not isinstance(x, torch.Tensor) or not x.is_nested:
+        raise ValueError(f"{op}: {name} {JAGGED_REQUIREMENT}, got {_describe_nested(x)}")
+    if x.layout != torch.jagged:
+        raise ValueError(f"{op}: {name} {JAGGED_REQUIREMENT}, got layout={x.layout}")
+    if getattr(x, "_lengths", None) is not None:
+        raise ValueError(
+            f"{op}: {name} {JAGGED_REQUIREMENT}, got a jagged nested tensor with holes (offsets plus "
+            "lengths); call .contiguous() first"
+        )
+
+
+def _describe_nested(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a plain tensor of shape {tuple(x.shape)}"
+    return type(x).__name__
+
+
+def check_plain(op: str, name: str, t, *, optional: bool = False) -> None:
+    """``t`` is a plain (non-nested) tensor (None allowed when ``optional``)."""
+    if t is None and optional:
+        return
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+    if t.is_nested:
+        raise ValueError(f"{op}: {name} must be a plain (strided) tensor, got a nested tensor")
