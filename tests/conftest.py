@@ -6,7 +6,21 @@ when CUDA is available) and are skipped cleanly on machines without CUDA.
 
 from __future__ import annotations
 
+import atexit
+import os
 import random
+import shutil
+import tempfile
+
+# torch.compile's on-disk caches (TorchInductor's FX graph and AOTAutograd caches) live in one
+# directory per user (/tmp/torchinductor_<user>) and outlive a build: a graph compiled against an
+# older build of this package (another op schema) would be served again. The tests compile into
+# a directory of their own, created fresh for each run.
+if "VERL_OPS_TEST_INDUCTOR_CACHE" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="verl_ops_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+else:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["VERL_OPS_TEST_INDUCTOR_CACHE"]
 
 import pytest
 import torch

@@ -71,42 +71,92 @@ def layout_is_valid(cu_padded, cp, cp_layout) -> bool:
 
 
 def ref_pack(seqs, cu_padded, cp, cp_rank, cp_layout, roll, *, feature_shape=None, dtype=None):
-    """OPS.md section 2, pack. `seqs[i]` is sequence i's valid tokens, ``[len_i, *F]``.
+    """OPS.md section 2, pack, with verl's (0.9.1) padding-row and roll rules written procedurally.
 
-    Returns (packed [local_rows, *F], position_ids int64 [local_rows]) of rank `cp_rank`.
+    `seqs[i]` is sequence i's valid tokens, ``[len_i, *F]``. Returns (packed [local_rows, *F],
+    position_ids int64 [local_rows]) of rank `cp_rank`.
+
+    Unrolled: valid rows hold their token and position; padding rows hold zero and position 0,
+    except zigzag first-chunk rows (cp > 1), whose positions count on through the padding.
+    Rolled: contiguous rolls each sequence's valid rows (values and positions, ``(p+1) % len``);
+    zigzag with cp == 1 rolls the whole local buffer by one row; zigzag with cp > 1 rolls the
+    whole local buffer and then rewrites the last row of each chunk (the row after the first
+    chunk's last row / the sequence's token 0 on rank 0), as verl does.
     """
     cu_padded = [int(c) for c in cu_padded]
     if seqs:
         feature_shape, dtype = tuple(seqs[0].shape[1:]), seqs[0].dtype
-    # The global padded buffer, one padded sequence at a time.
-    bufs, poss = [], []
-    for i, x in enumerate(seqs):
-        n = x.shape[0]
-        padded = cu_padded[i + 1] - cu_padded[i]
-        if roll and n > 0:
-            x = torch.roll(x, -1, 0)  # position p holds token p+1, the last valid one token 0
-        buf = torch.zeros((padded, *feature_shape), dtype=dtype)
-        buf[:n] = x
-        bufs.append(buf)
-        poss.append(torch.arange(padded, dtype=torch.int64))
     total = cu_padded[-1]
     local_rows = total // cp
-    if bufs:
-        glob, gpos = torch.cat(bufs), torch.cat(poss)
-    else:
-        glob, gpos = torch.zeros((0, *feature_shape), dtype=dtype), torch.zeros(0, dtype=torch.int64)
-    if cp == 1:
-        return glob, gpos
-    r = cp_rank
-    if cp_layout == "contiguous":
-        return glob[r * local_rows : (r + 1) * local_rows], gpos[r * local_rows : (r + 1) * local_rows]
-    assert cp_layout == "zigzag"
     out = torch.zeros((local_rows, *feature_shape), dtype=dtype)
     out_pos = torch.zeros(local_rows, dtype=torch.int64)
-    for i, (buf, pos) in enumerate(zip(bufs, poss)):
-        c = buf.shape[0] // (2 * cp)
+    r = cp_rank
+    lens = [x.shape[0] for x in seqs]
+    padded = [b - a for a, b in zip(cu_padded[:-1], cu_padded[1:])]
+
+    def padded_seq(i):  # sequence i zero-padded to its padded length
+        d = torch.zeros((padded[i], *feature_shape), dtype=dtype)
+        d[: lens[i]] = seqs[i]
+        return d
+
+    if cp == 1 or cp_layout == "contiguous":
+        lo = r * local_rows
+        for i in range(len(seqs)):
+            n, g0 = lens[i], cu_padded[i]
+            src = torch.arange(n)
+            if roll and cp_layout == "contiguous":
+                src = (src + 1) % max(n, 1)
+            for p in range(n):
+                g = g0 + p
+                if lo <= g < lo + local_rows:
+                    out[g - lo] = seqs[i][src[p]]
+                    out_pos[g - lo] = src[p]
+        if roll and cp_layout == "zigzag":  # cp == 1: the whole buffer rolls by one row
+            out, out_pos = torch.roll(out, -1, 0), torch.roll(out_pos, -1, 0)
+        return out, out_pos
+    assert cp_layout == "zigzag"
+    if local_rows == 0:
+        return out, out_pos
+    fixes = {}  # local row -> (value, position), applied after the roll in insertion order
+    for i in range(len(seqs)):
+        d, n, P = padded_seq(i), lens[i], padded[i]
+        c = P // (2 * cp)
         start = cu_padded[i] // cp
-        for k, chunk in enumerate((r, 2 * cp - 1 - r)):
-            out[start + k * c : start + (k + 1) * c] = buf[chunk * c : (chunk + 1) * c]
-            out_pos[start + k * c : start + (k + 1) * c] = pos[chunk * c : (chunk + 1) * c]
+        first, second = r * c, P - (r + 1) * c
+        out[start : start + c] = d[first : first + c]
+        out_pos[start : start + c] = torch.arange(first, first + c)
+        out[start + c : start + 2 * c] = d[second : second + c]
+        out_pos[start + c : start + 2 * c] = torch.tensor(
+            [q if q < n else 0 for q in range(second, second + c)], dtype=torch.int64
+        )
+        if roll:
+            dz = torch.cat([d, torch.zeros((1, *feature_shape), dtype=dtype)])  # d[P] reads zero
+            k = (start + c - 1) % local_rows
+            fixes[k] = (dz[first + c], out_pos[k].clone())
+            if c > 0:
+                k = start + 2 * c - 1
+                fixes[k] = (dz[0], torch.tensor(0)) if r == 0 else (dz[second + c], out_pos[k].clone())
+    if roll:
+        out, out_pos = torch.roll(out, -1, 0), torch.roll(out_pos, -1, 0)
+        for k, (v, p) in fixes.items():
+            out[k], out_pos[k] = v, p
     return out, out_pos
+
+
+def ref_roll_dropped(lengths, cu_padded, cp, cp_layout):
+    """(seq, token) pairs that a rolled zigzag pack (cp > 1) holds in no row: verl zeroes the last
+    local row of a sequence followed by an empty one (rank 0's token 0, rank r's token P - r*c)."""
+    if cp_layout != "zigzag" or cp == 1:
+        return set()
+    cu_padded = [int(c) for c in cu_padded]
+    padded = [b - a for a, b in zip(cu_padded[:-1], cu_padded[1:])]
+    dropped = set()
+    for i in range(len(lengths) - 1):
+        if padded[i + 1] != 0 or padded[i] == 0:
+            continue
+        c = padded[i] // (2 * cp)
+        for r in range(cp):
+            t = 0 if r == 0 else padded[i] - r * c
+            if t < lengths[i]:
+                dropped.add((i, t))
+    return dropped

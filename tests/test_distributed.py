@@ -117,6 +117,23 @@ LAYOUT_CASES = [
 ]
 
 
+def _valid_rows_of_pack(seqs, cu_padded, cp, cp_layout, roll, feature_shape, dtype, values):
+    """What an unrolled unpack reads back from the (reference) pack: the valid positions' rows
+    (with roll, verl's rolled rows: token p+1, or what verl's roll puts at a sequence's end)."""
+    from reference import ref_pack
+
+    if not seqs:
+        return values
+    total = cu_padded[-1]
+    glob = torch.zeros((total, *feature_shape), dtype=dtype)
+    ids = [torch.arange(a, b) for a, b in zip(cu_padded[:-1], cu_padded[1:])]
+    for r in range(cp):
+        gid, _ = ref_pack(ids, cu_padded, cp, r, cp_layout, False, feature_shape=(), dtype=torch.int64)
+        shard, _ = ref_pack(seqs, cu_padded, cp, r, cp_layout, roll, feature_shape=feature_shape, dtype=dtype)
+        glob[gid] = shard
+    return torch.cat([glob[a : a + x.shape[0]] for a, x in zip(cu_padded[:-1], seqs)])
+
+
 def _roundtrip_one(rank, cp, group, device, rng, lengths, case, feature_shape, dtype, min_local_rows=None):
     from reference import ref_pack
 
@@ -131,8 +148,7 @@ def _roundtrip_one(rank, cp, group, device, rng, lengths, case, feature_shape, d
     expected_shard, _ = ref_pack(seqs, cu_padded, cp, rank, cp_layout, roll, feature_shape=feature_shape, dtype=dtype)
     assert torch.equal(packed.cpu(), expected_shard), (case, lengths)
     out = verl_ops.postprocess_thd(packed, layout, rank, group=group, as_nested=False)
-    rolled = [torch.roll(x, -1, 0) if roll and x.shape[0] else x for x in seqs]
-    expected = torch.cat(rolled) if rolled else values
+    expected = _valid_rows_of_pack(seqs, cu_padded, cp, cp_layout, roll, feature_shape, dtype, values)
     assert torch.equal(out.cpu(), expected), (case, lengths)
     # The single-process path on every rank's reference shard gives the same.
     shards = torch.stack(
@@ -569,7 +585,7 @@ def test_plan_contiguous_matches_rules():
         lengths = [rng.randint(0, max_per * dp) for _ in range(B)]
         lcs, groups = ref_contiguous(lengths, dp, max_per)
         if lcs > dp:
-            with pytest.raises(ValueError, match="dynamic_cp_split: the longest sequence"):
+            with pytest.raises(ValueError, match="plan_dynamic_cp: the longest sequence"):
                 plan_dynamic_cp(lengths, dp, max_per)
             continue
         for dp_rank in range(dp):
@@ -620,7 +636,7 @@ def test_plan_edge_cases():
         ({"lengths": [3, -1, 2, 2]}, "lengths must be >= 0"),
     ):
         args = {"lengths": [4] * 4, "dp_size": 4, "max_seqlen_per_dp_cp_rank": 8, **kwargs}
-        with pytest.raises(ValueError, match=f"dynamic_cp_split: {pattern}"):
+        with pytest.raises(ValueError, match=f"plan_dynamic_cp: {pattern}"):
             plan_dynamic_cp(args.pop("lengths"), args.pop("dp_size"), args.pop("max_seqlen_per_dp_cp_rank"), **args)
 
 

@@ -302,7 +302,7 @@ def test_from_padded_offsets_reproduces_from_lengths(rng, cp_layout, cp, fp8):
     "lengths, cu_padded, kw, match",
     [
         ([3, 1], [0, 4], {}, "entries"),
-        ([3, 1], [1, 4, 8], {}, "does not fit"),
+        ([3, 1], [1, 4, 8], {}, "cu_seqlens_padded must start at 0, got 1"),
         ([3, 5], [0, 4, 8], {}, "does not fit"),
         ([3, 1], [0, 4, 7], dict(cp_size=2, cp_layout="contiguous"), "divisible"),
         ([3, 1], [0, 6, 8], dict(cp_size=2), "multiple of 4"),

@@ -192,7 +192,7 @@ def test_auto_backend_table(batch, seqlen, heads, dims, native):
     q = torch.empty(t, heads, dqk, device="meta", dtype=torch.bfloat16)
     v = torch.empty(t, heads, dv, device="meta", dtype=torch.bfloat16)
     cu = torch.empty(batch + 1, device="meta", dtype=torch.int32)
-    out, _ = OPS.mla_forward_padded(q, q, v, cu, cu, seqlen, seqlen, True, None, "auto")
+    out, _ = OPS.mla_forward_padded(q, q, v, cu, cu, seqlen, seqlen, True, None, 0)
     assert out.is_contiguous() == (native or dqk == dv)
 
 
@@ -201,14 +201,14 @@ def test_grad_v_is_view_of_padded_rows():
     out, (q, k, v) = run(c, backend="padded", grad=True)
     lse = torch.zeros(2, 8)
     args = (torch.ones_like(out), c["q"], c["k"], c["v"], out.detach(), lse, c["cu_q"], c["cu_kv"], 5, 5)
-    _, _, dv = OPS.mla_backward_padded(*args, True, None, "padded")
+    _, _, dv = OPS.mla_backward_padded(*args, True, None, 1)
     assert dv.shape == (8, 2, 16) and dv.stride() == (2 * 24, 24, 1)
-    _, _, dv_auto = OPS.mla_backward_padded(*args, True, None, "auto")
+    _, _, dv_auto = OPS.mla_backward_padded(*args, True, None, 0)
     assert dv_auto.stride() == dv.stride()  # auto is padded at this size
     u = make_case([4, 4], hq=2, hk=2, dqk=24, dv=16, seed=4)
     out_u, _ = run(u, backend="native")
     args_u = (torch.ones_like(out_u), u["q"], u["k"], u["v"], out_u.detach(), torch.zeros(2, 8), u["cu_q"], u["cu_kv"], 4, 4)
-    _, _, dv_native = OPS.mla_backward_padded(*args_u, True, None, "native")
+    _, _, dv_native = OPS.mla_backward_padded(*args_u, True, None, 2)
     assert dv_native.shape == (8, 2, 16) and dv_native.is_contiguous()
 
 
@@ -237,9 +237,9 @@ def test_auto_backend_ragged(lengths, native):
     q = torch.empty(t, 16, 192, device="meta", dtype=torch.bfloat16)
     v = torch.empty(t, 16, 128, device="meta", dtype=torch.bfloat16)
     cu = torch.empty(len(lengths) + 1, device="meta", dtype=torch.int32)
-    out, _ = OPS.mla_forward_padded(q, q, v, cu, cu, s, s, True, None, "auto")
+    out, _ = OPS.mla_forward_padded(q, q, v, cu, cu, s, s, True, None, 0)
     assert out.is_contiguous() == native
-    out, _ = OPS.mla_forward_padded(q, q, v, cu, cu.clone(), s, s, True, None, "auto")
+    out, _ = OPS.mla_forward_padded(q, q, v, cu, cu.clone(), s, s, True, None, 0)
     assert not out.is_contiguous()  # separate offsets tensors: padded
 
 
@@ -261,7 +261,7 @@ def test_native_backend_needs_uniform_batch():
 
 def test_softmax_scale_and_lse():
     c = make_case([5, 2], dqk=16, dv=8, seed=9)
-    out, lse = OPS.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 5, 5, False, 0.3, "auto")
+    out, lse = OPS.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 5, 5, False, 0.3, 0)
     assert rel_err(out, ref_attention(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], False, 0.3)) < 1e-5
     # softmax_lse [Hq, Tq]: log-sum-exp of the scaled scores of each query row.
     s0 = 0.3 * c["q"][:5, 1].double() @ c["k"][:5, 1].double().T
@@ -317,7 +317,7 @@ def _fwd_args(c, causal, backend, grad):
         c["max_kv"],
         causal,
         None,
-        backend,
+        ("auto", "padded", "native").index(backend) if isinstance(backend, str) else backend,
     )
 
 
@@ -331,7 +331,7 @@ def test_opcheck_backward_cpu():
     for c, backend in _op_cases():
         out, lse = OPS.mla_forward_padded(*_fwd_args(c, True, backend, False))
         args = (torch.randn_like(out), c["q"], c["k"], c["v"], out, lse, c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"])
-        torch.library.opcheck(OPS.mla_backward_padded.default, (*args, True, None, backend))
+        torch.library.opcheck(OPS.mla_backward_padded.default, (*args, True, None, _fwd_args(c, True, backend, False)[-1]))
 
 
 def _compile_check(device, dtype, backend, tol):
@@ -387,7 +387,8 @@ BAD_RAW = [
     ("cu_not_zero", dict(cu_q=torch.tensor([1, 3, 7], dtype=torch.int32)), "cu_seqlens_q must start at 0"),
     ("cu_decreasing", dict(cu_q=torch.tensor([0, 4, 3, 7], dtype=torch.int32), cu_kv=torch.tensor([0, 3, 4, 7], dtype=torch.int32)), "cu_seqlens_q must be non-decreasing"),
     ("max_too_small", dict(max_q=3), "more than max_seqlen_q=3"),
-    ("max_negative", dict(max_kv=-1), "max_seqlen_kv must be >= 0"),
+    ("max_negative", dict(max_kv=-1), r"max_seqlen_kv must be in \[0, 2147483647\], got -1"),
+    ("max_huge", dict(max_q=2**31), r"max_seqlen_q must be in \[0, 2147483647\], got 2147483648"),
     ("cu_on_meta", dict(cu_q=torch.tensor([0, 3, 7], dtype=torch.int32, device="meta")), "cu_seqlens_q is on meta"),
     ("v_on_meta", dict(v=torch.randn(7, 2, 64, device="meta")), "q, k and v must be on one device"),
 ]
@@ -402,8 +403,8 @@ def test_bad_input_raw_op(over, pattern):
 
 def test_bad_input_backend_and_scale():
     c = make_case([3, 4], seed=0)
-    with pytest.raises(RuntimeError, match="mla_forward_padded: backend must be 'auto', 'padded' or 'native', got 'fast'"):
-        OPS.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 4, 4, True, None, "fast")
+    with pytest.raises(RuntimeError, match=r"mla_forward_padded: backend must be 0 \(auto\), 1 \(padded\) or 2 \(native\), got 7"):
+        OPS.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 4, 4, True, None, 7)
     with pytest.raises(ValueError, match="mla_forward_padded: backend must be one of"):
         run(c, backend="fast")
     with pytest.raises(RuntimeError, match="mla_forward_padded: softmax_scale must be finite"):
@@ -547,7 +548,7 @@ def test_cuda_backward_with_copied_out():
     out, lse = OPS.mla_forward_padded(*_fwd_args(c, True, "padded", False))
     g = torch.randn_like(out)
     args = (c["q"], c["k"], c["v"])
-    tail = (lse, c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"], True, None, "padded")
+    tail = (lse, c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"], True, None, 1)
     a = OPS.mla_backward_padded(g, *args, out, *tail)
     b = OPS.mla_backward_padded(g, *args, out.contiguous(), *tail)
     for x, y in zip(a, b):
@@ -565,7 +566,7 @@ def test_cuda_empty_and_opcheck():
         torch.library.opcheck(OPS.mla_forward_padded.default, _fwd_args(c, True, backend, True))
         out, lse = OPS.mla_forward_padded(*_fwd_args(c, True, backend, False))
         args = (torch.randn_like(out), c["q"], c["k"], c["v"], out, lse, c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"])
-        torch.library.opcheck(OPS.mla_backward_padded.default, (*args, True, None, backend))
+        torch.library.opcheck(OPS.mla_backward_padded.default, (*args, True, None, _fwd_args(c, True, backend, False)[-1]))
 
 
 @gpu

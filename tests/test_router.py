@@ -22,6 +22,8 @@ from router_reference import RouterCase, verl_stack
 
 import verl_ops
 from verl_ops import merge_router_topk, scatter_router_topk
+from verl_ops._library import HAS_LAYERS
+from verl_ops.layout import CP_LAYOUT_CODES
 from verl_ops.integrations import verl as vi
 from verl_ops.integrations import verl_router as vr
 
@@ -44,8 +46,18 @@ def to_dev(x, device):
 
 
 def op_list(x):
-    """The raw op takes a list: L tensors [T, K], or one [L, T, K]."""
-    return x if isinstance(x, list) else [x]
+    """Raw record input: L tensors [T, K] (a list) or one [L, T, K] tensor."""
+    return x
+
+
+def record_op(x, *args):
+    """router_topk_record on one [L, T, K] tensor; router_topk_record_layers on a list of [T, K]
+    (under torch < 2.10, which has no list op, the list is stacked)."""
+    if isinstance(x, torch.Tensor):
+        return OPS.router_topk_record(x, *args)
+    if HAS_LAYERS:
+        return OPS.router_topk_record_layers(list(x), *args)
+    return OPS.router_topk_record(torch.stack(list(x)), *args)
 
 
 def emulated_merge(case, form, device, attention_mask=None):
@@ -54,7 +66,7 @@ def emulated_merge(case, form, device, attention_mask=None):
     for c in range(case.cp):
         parts = []
         for p in range(case.tp):
-            local, overflow = OPS.router_topk_record(op_list(to_dev(case.recorded(p, c, form), device)))
+            local, overflow = record_op(op_list(to_dev(case.recorded(p, c, form), device)))
             assert not overflow.any()
             assert torch.equal(local.cpu(), verl_stack(case.recorded(p, c, "list")))
             parts.append(local)
@@ -63,7 +75,7 @@ def emulated_merge(case, form, device, attention_mask=None):
     layout = case.layout.to(device)
     return OPS.postprocess_thd(
         packed, layout.cu_seqlens, layout.cu_seqlens_padded, layout.total_tokens, case.cp,
-        -1 if case.cp > 1 else 0, layout.cp_layout, False, attention_mask,
+        -1 if case.cp > 1 else 0, layout.cp_layout_code, False, attention_mask,
     )
 
 
@@ -121,7 +133,7 @@ def test_record_empty_batch_and_empty_sequences():
     layout = verl_ops.ThdLayout.from_lengths([0, 3, 0], tp_size=2)
     layers = [torch.arange(layout.local_rows // 2 * 2).view(-1, 2) for _ in range(2)]
     assert layout.tp_size == 2 and layout.local_rows == 4
-    local, _ = OPS.router_topk_record(layers)
+    local, _ = record_op(layers)
     assert local.shape == (2, 2, 2)
     empty = verl_ops.ThdLayout.from_lengths([])
     out = merge_router_topk([torch.zeros(0, 4, dtype=torch.long)] * 3, empty, as_nested=False)
@@ -185,11 +197,11 @@ def test_record_replay_identity(rng, cp_layout, cp, tp, fp8):
     """merge then scatter gives every rank back what it recorded, on every valid row."""
     case = case_for(rng, tp, cp, cp_layout, fp8)
     records = {(p, c): case.recorded_rows(p, c) for c in range(cp) for p in range(tp)}
-    shards = [torch.cat([OPS.router_topk_record(list(records[p, c].permute(1, 0, 2)))[0] for p in range(tp)])
+    shards = [torch.cat([record_op(list(records[p, c].permute(1, 0, 2)))[0] for p in range(tp)])
               for c in range(cp)]
     merged = OPS.postprocess_thd(
         torch.stack(shards) if cp > 1 else shards[0], case.layout.cu_seqlens, case.layout.cu_seqlens_padded,
-        case.layout.total_tokens, cp, -1 if cp > 1 else 0, cp_layout, False, None,
+        case.layout.total_tokens, cp, -1 if cp > 1 else 0, CP_LAYOUT_CODES[cp_layout], False, None,
     )
     for (p, c), rec in records.items():
         targets, _ = scatter_router_topk(merged, case.layout, tp_rank=p, cp_rank=c)
@@ -328,17 +340,17 @@ def opcheck_cases(device):
     tl = tp_case.layout.to(device)
     record = [
         (rec,),
-        ([to_dev(case.recorded(0, 0, "stacked_strided"), device)],),
+        (to_dev(case.recorded(0, 0, "stacked_strided"), device),),
         (to_dev(tp_case.recorded(1, 1, "list", dtype=torch.int32), device),),
         (rec, lay.cu_seqlens, lay.cu_seqlens_padded, lay.total_tokens, None),
         (rec, lay.cu_seqlens, lay.cu_seqlens_padded, 0, mask),
     ]
     vals = tp_case.routes.to(torch.int16).to(device)
     scatter = [
-        (vals, tl.cu_seqlens, tl.cu_seqlens_padded, tl.local_rows, 2, 1, 2, 0, "zigzag", None, None),
-        (vals, tl.cu_seqlens, tl.cu_seqlens_padded, tl.local_rows, 2, 0, 2, 1, "zigzag", None,
+        (vals, tl.cu_seqlens, tl.cu_seqlens_padded, tl.local_rows, 2, 1, 2, 0, 0, None, None),
+        (vals, tl.cu_seqlens, tl.cu_seqlens_padded, tl.local_rows, 2, 0, 2, 1, 0, None,
          tp_case.replay.to(device)),
-        (routes, lay.cu_seqlens, lay.cu_seqlens_padded, lay.local_rows, 1, 0, 1, 0, "contiguous", mask, replay),
+        (routes, lay.cu_seqlens, lay.cu_seqlens_padded, lay.local_rows, 1, 0, 1, 0, 1, mask, replay),
     ]
     return record, scatter
 
@@ -347,7 +359,10 @@ def opcheck_cases(device):
 def test_opcheck(device):
     record, scatter = opcheck_cases(device)
     for args in record:
-        torch.library.opcheck(OPS.router_topk_record.default, args)
+        if isinstance(args[0], torch.Tensor):
+            torch.library.opcheck(OPS.router_topk_record.default, args)
+        elif HAS_LAYERS:
+            torch.library.opcheck(OPS.router_topk_record_layers.default, args)
     for args in scatter:
         torch.library.opcheck(OPS.router_topk_scatter.default, args)
 
@@ -396,33 +411,33 @@ def test_bad_input_record(rng):
         bad[1][0, 2] = 40000
         merge_router_topk(bad, layout)
     with pytest.raises(RuntimeError, match="router_topk_record: indices hold .* outside the int16 range"):
-        OPS.router_topk_record([torch.full((2, 2), -40000)])
+        record_op([torch.full((2, 2), -40000)])
     with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[1\] has top-k 3 but indices\[0\] has 4"):
         merge_router_topk([rec[0], torch.zeros(T, 3, dtype=torch.long)], layout)
     with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[1\] has \d+ rows but indices\[0\] has"):
-        OPS.router_topk_record([rec[0], rec[1][:-1]])
+        record_op([rec[0], rec[1][:-1]])
     with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[1\] is Int but indices\[0\] is Long"):
-        OPS.router_topk_record([rec[0], rec[1].int()])
+        record_op([rec[0], rec[1].int()])
     with pytest.raises(RuntimeError, match="router_topk_record: indices must be an integer tensor"):
-        OPS.router_topk_record([rec[0].float()])
+        record_op([rec[0].float()])
     with pytest.raises(RuntimeError, match="router_topk_record: indices hold L \\* K = 4194305 indices per token"):
-        OPS.router_topk_record(torch.zeros(5, 1, 838861, dtype=torch.int16).unbind(0))
+        record_op(torch.zeros(5, 1, 838861, dtype=torch.int16).unbind(0))
     with pytest.raises(RuntimeError, match="router_topk_record: indices have top-k K=1048577, more than"):
-        OPS.router_topk_record([torch.zeros(1, (1 << 20) + 1, dtype=torch.int16)])
+        record_op([torch.zeros(1, (1 << 20) + 1, dtype=torch.int16)])
     with pytest.raises(ValueError, match="merge_router_topk: indices must be a non-empty list"):
         merge_router_topk([], layout)
     with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[0\] must be \[T_local_sp, K\]"):
-        OPS.router_topk_record([torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)])
+        record_op([torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)])
     with pytest.raises(RuntimeError, match="router_topk_record: cu_seqlens_padded\\[-1\\]=.* does not match"):
-        OPS.router_topk_record([t[:-1] for t in rec], layout.cu_seqlens, layout.cu_seqlens_padded, layout.total_tokens)
+        record_op([t[:-1] for t in rec], layout.cu_seqlens, layout.cu_seqlens_padded, layout.total_tokens)
     with pytest.raises(RuntimeError, match="router_topk_record: total_tokens=1 but cu_seqlens"):
-        OPS.router_topk_record(rec, layout.cu_seqlens, layout.cu_seqlens_padded, 1)
+        record_op(rec, layout.cu_seqlens, layout.cu_seqlens_padded, 1)
     with pytest.raises(RuntimeError, match="router_topk_record: cu_seqlens and cu_seqlens_padded must be given together"):
-        OPS.router_topk_record(rec, layout.cu_seqlens)
+        record_op(rec, layout.cu_seqlens)
     with pytest.raises(RuntimeError, match="router_topk_record: cu_seqlens is on meta but the data is on cpu"):
-        OPS.router_topk_record(rec, layout.cu_seqlens.to("meta"), layout.cu_seqlens_padded, layout.total_tokens)
+        record_op(rec, layout.cu_seqlens.to("meta"), layout.cu_seqlens_padded, layout.total_tokens)
     with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[1\] is on meta but indices\[0\] is on cpu"):
-        OPS.router_topk_record([rec[0], rec[1].to("meta")])
+        record_op([rec[0], rec[1].to("meta")])
     # Python API: lengths that do not match the layout, wrong forms, missing groups.
     with pytest.raises(ValueError, match=r"merge_router_topk: indices hold \d+ rows per layer but the layout gives"):
         merge_router_topk([t[:-1] for t in rec], layout)
@@ -482,14 +497,14 @@ def test_bad_input_scatter(rng):
         one = verl_ops.ThdLayout.from_lengths([1])
         OPS.router_topk_scatter(torch.zeros(1, 5, 838861, dtype=torch.int16), one.cu_seqlens,
                                 one.cu_seqlens_padded, one.local_rows)
-    with pytest.raises(RuntimeError, match="router_topk_scatter: cp_layout must be 'zigzag' or 'contiguous'"):
-        OPS.router_topk_scatter(vals, *args, 2, 0, 2, 0, "ring")
+    with pytest.raises(RuntimeError, match=r"router_topk_scatter: cp_layout must be 0 \(zigzag\) or 1 \(contiguous\), got 5"):
+        OPS.router_topk_scatter(vals, *args, 2, 0, 2, 0, 5)
     with pytest.raises(RuntimeError, match="router_topk_scatter: attention_mask row .* valid tokens but the layout says"):
         bad = mask.clone()
         bad[0] = ~bad[0]
-        OPS.router_topk_scatter(routes, *args, 2, 0, 2, 0, "zigzag", bad)
+        OPS.router_topk_scatter(routes, *args, 2, 0, 2, 0, 0, bad)
     with pytest.raises(RuntimeError, match="router_topk_scatter: replay_mask is on meta but routes are on cpu"):
-        OPS.router_topk_scatter(vals, *args, 2, 0, 2, 0, "zigzag", None, case.replay.to("meta"))
+        OPS.router_topk_scatter(vals, *args, 2, 0, 2, 0, 0, None, case.replay.to("meta"))
     with pytest.raises(RuntimeError, match="router_topk_scatter: zigzag with cp_size=2 needs every padded length"):
         cu_bad = layout.cu_seqlens_padded.clone()
         cu_bad[1:-1] += 1
@@ -517,8 +532,8 @@ def test_cuda_matches_cpu_large(rng, dtype, K):
     case = RouterCase(rng, lengths, 48, K, tp=2, cp=2, cp_layout="zigzag", fp8=True, high=100)
     for form in ("list", "strided", "stacked_strided"):
         rec = case.recorded(1, 0, form, dtype=dtype)
-        got, overflow = OPS.router_topk_record(op_list(to_dev(rec, "cuda")))
-        assert not overflow.any() and torch.equal(got.cpu(), OPS.router_topk_record(op_list(rec))[0])
+        got, overflow = record_op(op_list(to_dev(rec, "cuda")))
+        assert not overflow.any() and torch.equal(got.cpu(), record_op(op_list(rec))[0])
     for form in ("list", "strided"):
         one = RouterCase(rng, lengths, 48, K, fp8=True, high=100)
         rec = one.recorded(0, 0, form, dtype=dtype)
@@ -549,7 +564,7 @@ def test_cuda_out_of_range_raises_lazily(rng):
     case = RouterCase(rng, [3, 2, 5], 2, 8)
     rec = to_dev(case.recorded(0, 0, "list"), "cuda")
     rec[1][0, 3] = 1 << 20
-    _, overflow = OPS.router_topk_record(rec)  # no host synchronisation inside the op
+    _, overflow = record_op(rec)  # no host synchronisation inside the op
     assert overflow.any()
     with pytest.raises(RuntimeError, match="merge_router_topk: indices hold values outside the int16 range"):
         merge_router_topk(rec, case.layout)
@@ -566,12 +581,12 @@ def test_cuda_graph_capture(rng):
     replay = case.replay.cuda()
     s = torch.cuda.Stream()
     with torch.cuda.stream(s):
-        OPS.router_topk_record(rec)
+        record_op(rec)
         scatter_router_topk(vals, layout, tp_rank=1, cp_rank=1, replay_mask=replay)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
-        local, _ = OPS.router_topk_record(rec)
+        local, _ = record_op(rec)
         t, m = scatter_router_topk(vals, layout, tp_rank=1, cp_rank=1, replay_mask=replay)
     g.replay()
     torch.cuda.synchronize()
@@ -585,9 +600,9 @@ def test_cuda_device_mix_is_a_clear_error(rng):
     rec = case.recorded(0, 0, "list")
     lay = case.layout.to("cuda")
     with pytest.raises(RuntimeError, match="router_topk_record: cu_seqlens is on cuda:0 but the data is on cpu"):
-        OPS.router_topk_record(rec, lay.cu_seqlens, lay.cu_seqlens_padded, lay.total_tokens)
+        record_op(rec, lay.cu_seqlens, lay.cu_seqlens_padded, lay.total_tokens)
     with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[1\] is on cuda:0 but indices\[0\] is on cpu"):
-        OPS.router_topk_record([rec[0], rec[1].cuda()])
+        record_op([rec[0], rec[1].cuda()])
     with pytest.raises(RuntimeError, match="router_topk_scatter: cu_seqlens is on cuda:0 but the data is on cpu"):
         OPS.router_topk_scatter(case.routes.to(torch.int16), lay.cu_seqlens, lay.cu_seqlens_padded, lay.local_rows)
     with pytest.raises(ValueError, match="scatter_router_topk: replay_mask is on cpu but the routes are on cuda:0"):

@@ -9,9 +9,10 @@ import random
 import pytest
 import torch
 from conftest import DTYPES, Batch, make_layout, random_data, random_lengths, scattered_mask, seed_of
-from reference import ref_layout, ref_pack
+from reference import ref_layout, ref_pack, ref_roll_dropped
 
 import verl_ops
+from verl_ops.layout import CP_LAYOUT_CODES
 from verl_ops import ThdLayout, postprocess_thd, preprocess_thd
 
 OPS = torch.ops.verl_ops
@@ -98,25 +99,59 @@ def test_pack_matches_reference(device, rng, cp_layout, cp, roll, tp, fp8, pad, 
         # The raw op with cp_rank=-1 packs every rank at once: [cp, local_rows, *F].
         raw_x = x.values() if form == "jagged" else x
         packed, pos = OPS.preprocess_thd(
-            *raw_args(layout, raw_x), layout.local_rows, cp, -1, cp_layout, roll, mask
+            *raw_args(layout, raw_x), layout.local_rows, cp, -1, CP_LAYOUT_CODES[cp_layout], roll, mask
         )
         assert_same(packed, torch.stack([e[0] for e in expected]))
         assert_same(pos, torch.stack([e[1] for e in expected]))
 
 
 def test_reference_zigzag_example():
-    """A hand-written case, so the reference itself is checked against OPS.md."""
+    """A hand-written case, so the reference itself is checked against OPS.md (verl's rows)."""
     seqs = [torch.arange(1, 6), torch.arange(11, 14)]  # lengths 5 and 3
     # cp=2 zigzag: padded 8 and 4, chunks of 2 and 1; local rows 6.
     packed, pos = ref_pack(seqs, [0, 8, 12], 2, 0, "zigzag", False)
     assert packed.tolist() == [1, 2, 0, 0, 11, 0]  # chunks 0, 3 of seq 0; chunks 0, 3 of seq 1
-    assert pos.tolist() == [0, 1, 6, 7, 0, 3]
+    assert pos.tolist() == [0, 1, 0, 0, 0, 0]  # padding rows of a second chunk: position 0
     packed, pos = ref_pack(seqs, [0, 8, 12], 2, 1, "zigzag", True)
-    assert packed.tolist() == [4, 5, 1, 0, 13, 11]  # rolled: 2 3 4 5 1 0 0 0 | 12 13 11 0
-    assert pos.tolist() == [2, 3, 4, 5, 1, 2]
+    # position q holds token q+1 of the zero-padded sequence: 1 2 3 4 5 0 0 0 -> 2 3 4 5 0 0 0 1
+    assert packed.tolist() == [4, 5, 0, 0, 13, 0]
+    assert pos.tolist() == [3, 3, 0, 0, 1, 2]  # rolled inside chunks, chunk ends keep their own
     packed, pos = ref_pack(seqs, [0, 8, 12], 2, 1, "contiguous", False)
     assert packed.tolist() == [0, 0, 11, 12, 13, 0]  # global rows 6..11 of 1 2 3 4 5 0 0 0 | 11 12 13 0
-    assert pos.tolist() == [6, 7, 0, 1, 2, 3]
+    assert pos.tolist() == [0, 0, 0, 1, 2, 0]
+
+
+# verl's own expectations (verl 0.9.1 and verl main's tests of preprocess_thd_engine), through the
+# native op: (lengths-as-tokens, cu_padded, cp, rank, layout, roll, packed, positions).
+VERL_ROW_CASES = [
+    # min_local_rows padding, cp=1: position 0 in the padding rows
+    ([list(range(100))], [0, 128], 1, 0, "zigzag", False, list(range(100)) + [0] * 28,
+     list(range(100)) + [0] * 28),
+    # one token, cp=2 (dynamic CP local_cp_size=2), rank 1: first-chunk padding keeps its position
+    ([[7]], [0, 4], 2, 1, "zigzag", False, [0, 0], [1, 0]),
+    # contiguous: global packed intervals, padding rows position 0
+    ([[10, 11, 12, 13, 14], [20, 21, 22]], [0, 6, 10], 2, 1, "contiguous", False,
+     [0, 20, 21, 22, 0], [0, 0, 1, 2, 0]),
+    # contiguous roll: each sequence rolls on its own, positions rolled too
+    ([[1, 2, 3, 4], [5, 6, 7, 8]], [0, 4, 8], 2, 0, "contiguous", True, [2, 3, 4, 1], [1, 2, 3, 0]),
+    # zigzag roll, cp=2, labels 1..7 (verl 0.9.1; verl main's test expects [2, 3, 1, 1])
+    ([list(range(1, 8))], [0, 8], 2, 0, "zigzag", True, [2, 3, 0, 1], [1, 1, 0, 0]),
+    ([list(range(1, 8))], [0, 8], 2, 1, "zigzag", True, [4, 5, 6, 7], [3, 3, 5, 5]),
+]
+
+
+@pytest.mark.parametrize("case", VERL_ROW_CASES, ids=lambda c: f"{c[4]}-cp{c[2]}-r{c[3]}-roll{int(c[5])}")
+def test_verl_row_examples(device, case):
+    toks, cu_padded, cp, rank, cp_layout, roll, want, want_pos = case
+    seqs = [torch.tensor(t, dtype=torch.int64) for t in toks]
+    packed, pos = ref_pack(seqs, cu_padded, cp, rank, cp_layout, roll)
+    assert packed.tolist() == want and pos.tolist() == want_pos
+    layout = ThdLayout.from_padded_offsets(
+        [len(t) for t in toks], torch.tensor(cu_padded, dtype=torch.int32), cp_size=cp, cp_layout=cp_layout
+    ).to(device)
+    x = torch.nested.nested_tensor([s.to(device) for s in seqs], layout=torch.jagged)
+    got, got_pos = preprocess_thd(x, layout, rank, roll=roll)
+    assert got.cpu().tolist() == want and got_pos.cpu().tolist() == want_pos
 
 
 @pytest.mark.parametrize("feature_shape", [(), (5,), (3, 4), (48, 8)], ids=str)
@@ -179,12 +214,12 @@ def test_large_batch_cpu_threads(rng):
             mask = batch.mask if masked else None
             cu, cup = layout.cu_seqlens, layout.cu_seqlens_padded
             poison_allocator("cpu", cp * layout.local_rows * 12, cp * layout.local_rows * 8)
-            packed, pos = OPS.preprocess_thd(x, cu, cup, layout.local_rows, cp, -1, cp_layout, True, mask)
+            packed, pos = OPS.preprocess_thd(x, cu, cup, layout.local_rows, cp, -1, CP_LAYOUT_CODES[cp_layout], True, mask)
             expected = [ref_rank(batch, cu_padded, layout, r, True) for r in range(cp)]
             assert_same(packed, torch.stack([e[0] for e in expected]))
             assert_same(pos, torch.stack([e[1] for e in expected]))
             poison_allocator("cpu", x.numel() * 4)
-            out = OPS.postprocess_thd(packed, cu, cup, layout.total_tokens, cp, -1, cp_layout, True, mask)
+            out = OPS.postprocess_thd(packed, cu, cup, layout.total_tokens, cp, -1, CP_LAYOUT_CODES[cp_layout], True, mask)
             assert_same(out, batch.padded_expected() if masked else batch.values)
 
 
@@ -199,7 +234,7 @@ def test_empty_batch_and_empty_sequences(device):
     layout = ThdLayout.from_lengths([0, 0], cp_size=2, min_local_rows=3, cp_layout="contiguous")
     packed, pos = preprocess_thd(torch.zeros(0, 3, device=device), layout, 1)
     assert_same(packed, torch.zeros(3, 3))
-    assert_same(pos, torch.tensor([3, 4, 5]))
+    assert_same(pos, torch.tensor([0, 0, 0]))  # padding rows hold position 0 (verl)
 
 
 def test_non_contiguous_inputs(device, rng):
@@ -253,6 +288,24 @@ def test_roundtrip(device, rng, cp_layout, cp, fp8, pad, form):
         assert_same(out, batch.values)
 
 
+def roundtrip_expected(batch, layout, lengths, cp, cp_layout, masked, roll):
+    """What an unpack of the full pack gives back: the batch, except that verl's roll leaves a few
+    tokens in no row (a sequence followed by an empty one), which come back as zero."""
+    values = batch.padded_expected() if masked else batch.values
+    return dropped_as_zero(values, layout, lengths, cp, cp_layout, roll, batch.mask if masked else None)
+
+
+def dropped_as_zero(values, layout, lengths, cp, cp_layout, roll, mask=None):
+    expected = values.clone()
+    if roll:
+        for i, t in ref_roll_dropped(lengths, layout.cu_seqlens_padded_cpu.tolist(), cp, cp_layout):
+            if mask is not None:
+                expected[i, mask[i].nonzero()[t, 0]] = 0
+            else:
+                expected[int(layout.cu_seqlens_cpu[i]) + t] = 0
+    return expected
+
+
 @pytest.mark.parametrize("roll", [False, True], ids=["noroll", "roll"])
 @pytest.mark.parametrize("masked", [False, True], ids=["jagged", "padded"])
 @pytest.mark.parametrize("cp_layout, cp", LAYOUT_CP, ids=LAYOUT_CP_IDS)
@@ -264,13 +317,13 @@ def test_raw_roundtrip_per_rank(device, rng, cp_layout, cp, masked, roll):
     layout, _ = make_layout(rng, lengths, 1, cp, cp_layout, True, "min_local_rows")
     mask = batch.mask.to(device) if masked else None
     x = (batch.padded if masked else batch.values).to(device)
-    expected = batch.padded_expected() if masked else batch.values
+    expected = roundtrip_expected(batch, layout, lengths, cp, cp_layout, masked, roll)
     cu, cu_padded = layout.cu_seqlens.to(device), layout.cu_seqlens_padded.to(device)
     total = torch.zeros_like(expected)
     covered = torch.zeros(expected.shape[:-1], dtype=torch.int64)
     for r in range(cp):
-        packed, _ = OPS.preprocess_thd(x, cu, cu_padded, layout.local_rows, cp, r, cp_layout, roll, mask)
-        out = OPS.postprocess_thd(packed, cu, cu_padded, layout.total_tokens, cp, r, cp_layout, roll, mask)
+        packed, _ = OPS.preprocess_thd(x, cu, cu_padded, layout.local_rows, cp, r, CP_LAYOUT_CODES[cp_layout], roll, mask)
+        out = OPS.postprocess_thd(packed, cu, cu_padded, layout.total_tokens, cp, r, CP_LAYOUT_CODES[cp_layout], roll, mask)
         out = out.cpu()
         # Every token comes back either exactly or as zero.
         assert torch.all((out == expected) | (out == 0))
@@ -278,8 +331,8 @@ def test_raw_roundtrip_per_rank(device, rng, cp_layout, cp, masked, roll):
         covered += (out != 0).any(-1).long()
     assert_same(total, expected)
     assert covered.max() <= 1  # no token is restored by two ranks
-    packed, _ = OPS.preprocess_thd(x, cu, cu_padded, layout.local_rows, cp, -1, cp_layout, roll, mask)
-    out = OPS.postprocess_thd(packed, cu, cu_padded, layout.total_tokens, cp, -1, cp_layout, roll, mask)
+    packed, _ = OPS.preprocess_thd(x, cu, cu_padded, layout.local_rows, cp, -1, CP_LAYOUT_CODES[cp_layout], roll, mask)
+    out = OPS.postprocess_thd(packed, cu, cu_padded, layout.total_tokens, cp, -1, CP_LAYOUT_CODES[cp_layout], roll, mask)
     assert_same(out, expected)
 
 
@@ -342,18 +395,18 @@ def test_gradcheck_raw_ops(device, roll):
     lr, T = layout.local_rows, layout.total_tokens
     for rank in (-1, 0, 1):
         assert torch.autograd.gradcheck(
-            lambda v: OPS.preprocess_thd(v, cu, cu_padded, lr, 2, rank, "zigzag", roll, None)[0], (values,)
+            lambda v: OPS.preprocess_thd(v, cu, cu_padded, lr, 2, rank, 0, roll, None)[0], (values,)
         )
         assert torch.autograd.gradcheck(
-            lambda x: OPS.preprocess_thd(x, cu, cu_padded, lr, 2, rank, "zigzag", roll, mask)[0], (padded,)
+            lambda x: OPS.preprocess_thd(x, cu, cu_padded, lr, 2, rank, 0, roll, mask)[0], (padded,)
         )
         shape = (2, lr, 2) if rank < 0 else (lr, 2)
         packed = torch.randn(shape, dtype=torch.float64, device=device).requires_grad_()
         assert torch.autograd.gradcheck(
-            lambda p: OPS.postprocess_thd(p, cu, cu_padded, T, 2, rank, "zigzag", roll, None), (packed,)
+            lambda p: OPS.postprocess_thd(p, cu, cu_padded, T, 2, rank, 0, roll, None), (packed,)
         )
         assert torch.autograd.gradcheck(
-            lambda p: OPS.postprocess_thd(p, cu, cu_padded, T, 2, rank, "zigzag", roll, mask), (packed,)
+            lambda p: OPS.postprocess_thd(p, cu, cu_padded, T, 2, rank, 0, roll, mask), (packed,)
         )
 
 
@@ -368,7 +421,7 @@ def test_pack_backward_is_unpack(device, rng):
     packed.backward(grad)
     expected = OPS.postprocess_thd(
         grad, layout.cu_seqlens.to(device), layout.cu_seqlens_padded.to(device), layout.total_tokens,
-        2, 1, "zigzag", True, None,
+        2, 1, 0, True, None,
     )
     assert_same(values.grad, expected.cpu())
 
@@ -382,10 +435,10 @@ def test_unpack_backward_is_pack(device, rng, masked):
     cu, cup = layout.cu_seqlens.to(device), layout.cu_seqlens_padded.to(device)
     mask = batch.mask.to(device) if masked else None
     packed = torch.randn(layout.local_rows, 3).to(device).requires_grad_()
-    out = OPS.postprocess_thd(packed, cu, cup, layout.total_tokens, 4, 2, "zigzag", True, mask)
+    out = OPS.postprocess_thd(packed, cu, cup, layout.total_tokens, 4, 2, 0, True, mask)
     grad = torch.randn(out.shape).to(device)
     out.backward(grad)
-    expected, _ = OPS.preprocess_thd(grad, cu, cup, layout.local_rows, 4, 2, "zigzag", True, mask)
+    expected, _ = OPS.preprocess_thd(grad, cu, cup, layout.local_rows, 4, 2, 0, True, mask)
     assert_same(packed.grad, expected.cpu())
 
 
@@ -409,12 +462,12 @@ def opcheck_cases(device):
     ids = batch.values[:, 0].to(torch.int64).to(d)
     lr, lr4, T, T4 = layout.local_rows, layout4.local_rows, layout.total_tokens, layout4.total_tokens
     pack = [
-        (v, *lay(layout), lr, 2, 0, "zigzag", False, None),
-        (v, *lay(layout), lr, 2, -1, "zigzag", True, None),
-        (x, *lay(layout), lr, 2, 1, "zigzag", True, m),
-        (ids, *lay(layout), lr, 2, 1, "zigzag", False, None),
-        (v4, *lay(layout4), lr4, 4, 3, "contiguous", True, None),
-        (x4, *lay(layout4), lr4, 4, -1, "contiguous", False, m4),
+        (v, *lay(layout), lr, 2, 0, 0, False, None),
+        (v, *lay(layout), lr, 2, -1, 0, True, None),
+        (x, *lay(layout), lr, 2, 1, 0, True, m),
+        (ids, *lay(layout), lr, 2, 1, 0, False, None),
+        (v4, *lay(layout4), lr4, 4, 3, 1, True, None),
+        (x4, *lay(layout4), lr4, 4, -1, 1, False, m4),
     ]
     g = torch.Generator().manual_seed(0)
 
@@ -422,11 +475,11 @@ def opcheck_cases(device):
         return torch.randn(shape, generator=g, dtype=torch.float64).to(d).requires_grad_()
 
     unpack = [
-        (rand(2, lr, 2), *lay(layout), T, 2, -1, "zigzag", False, None),
-        (rand(lr, 2), *lay(layout), T, 2, 1, "zigzag", True, None),
-        (rand(2, lr, 2), *lay(layout), T, 2, -1, "zigzag", True, m),
-        (rand(4, lr4, 2, 3), *lay(layout4), T4, 4, -1, "contiguous", False, m4),
-        (rand(lr4, 2, 3), *lay(layout4), T4, 4, 2, "contiguous", True, None),
+        (rand(2, lr, 2), *lay(layout), T, 2, -1, 0, False, None),
+        (rand(lr, 2), *lay(layout), T, 2, 1, 0, True, None),
+        (rand(2, lr, 2), *lay(layout), T, 2, -1, 0, True, m),
+        (rand(4, lr4, 2, 3), *lay(layout4), T4, 4, -1, 1, False, m4),
+        (rand(lr4, 2, 3), *lay(layout4), T4, 4, 2, 1, True, None),
     ]
     return pack, unpack
 
@@ -444,9 +497,9 @@ def test_opcheck_postprocess(device):
 @pytest.mark.parametrize(
     "args",
     [
-        (torch.tensor([3, 0, 5]), 1, 2, "zigzag", False, None, None),
-        (torch.tensor([3, 0, 5], dtype=torch.int32), 2, 2, "contiguous", True, 100, 24),
-        (torch.tensor([], dtype=torch.int64), 1, 4, "zigzag", True, None, 8),
+        (torch.tensor([3, 0, 5]), 1, 2, 0, False, None, None),
+        (torch.tensor([3, 0, 5], dtype=torch.int32), 2, 2, 1, True, 100, 24),
+        (torch.tensor([], dtype=torch.int64), 1, 4, 0, True, None, 8),
     ],
 )
 def test_opcheck_thd_layout(args):
@@ -459,12 +512,12 @@ def test_opcheck_thd_layout(args):
 # torch.compile(fullgraph=True, dynamic=True).
 
 
-def compile_case(rng, cp=2, cp_layout="zigzag", F=(4,), n=6, device="cpu", **kw):
+def compile_case(rng, cp=2, cp_layout="zigzag", F=(4,), n=6, device="cpu", with_lengths=False, **kw):
     """A batch and its layout, the layout on `device` (built outside the compiled function)."""
     lengths = random_lengths(rng, n, 2 * cp)
     batch = Batch(rng, lengths, F, torch.float32)
     layout = ThdLayout.from_lengths(lengths, cp_size=cp, cp_layout=cp_layout, **kw).to(device)
-    return batch, layout
+    return (batch, layout, lengths) if with_lengths else (batch, layout)
 
 
 def test_compile_python_api_values(device, rng):
@@ -508,14 +561,14 @@ def test_compile_python_api_padded(device, rng):
 
 def test_compile_raw_ops(device, rng):
     def f(values, cu, cu_padded, local_rows: int, total_tokens: int, mask):
-        packed, pos = OPS.preprocess_thd(values, cu, cu_padded, local_rows, 2, -1, "zigzag", True, mask)
-        out = OPS.postprocess_thd(packed, cu, cu_padded, total_tokens, 2, -1, "zigzag", True, mask)
+        packed, pos = OPS.preprocess_thd(values, cu, cu_padded, local_rows, 2, -1, 0, True, mask)
+        out = OPS.postprocess_thd(packed, cu, cu_padded, total_tokens, 2, -1, 0, True, mask)
         return packed, pos, out
 
     cf = torch.compile(f, fullgraph=True, dynamic=True)
     for masked in (False, True):
         for kw in (dict(), dict(min_local_rows=64)):
-            batch, layout = compile_case(rng, device=device, **kw)
+            batch, layout, lengths = compile_case(rng, device=device, with_lengths=True, **kw)
             x = (batch.padded if masked else batch.values).to(device)
             mask = batch.mask.to(device) if masked else None
             cu, cup = layout.cu_seqlens, layout.cu_seqlens_padded
@@ -523,7 +576,7 @@ def test_compile_raw_ops(device, rng):
             got, want = cf(*args), f(*args)
             for a, b in zip(got, want):
                 assert_same(a, b.cpu())
-            assert_same(got[2], batch.padded_expected() if masked else batch.values)
+            assert_same(got[2], roundtrip_expected(batch, layout, lengths, 2, "zigzag", masked, True))
 
 
 def test_compile_backward(device, rng):
@@ -672,7 +725,7 @@ def test_cuda_matches_cpu_large(rng, feature_shape, dtype, max_len):
         configs += [("zigzag", 4, True, False), ("contiguous", 2, True, True)]
     for cp_layout, cp, fp8, roll in configs:
         layout = ThdLayout.from_lengths(lengths, tp_size=2, cp_size=cp, cp_layout=cp_layout, fp8_padding=fp8)
-        args = (layout.local_rows, cp, -1, cp_layout, roll, None)
+        args = (layout.local_rows, cp, -1, CP_LAYOUT_CODES[cp_layout], roll, None)
         poison_allocator("cuda", values[:1].nbytes * layout.total_padded, 8 * layout.total_padded)
         cu, cup = layout.cu_seqlens.cuda(), layout.cu_seqlens_padded.cuda()
         packed, pos = OPS.preprocess_thd(values_gpu, cu, cup, *args)
@@ -682,9 +735,9 @@ def test_cuda_matches_cpu_large(rng, feature_shape, dtype, max_len):
         poison_allocator("cuda", values.nbytes)
         out = OPS.postprocess_thd(
             packed, layout.cu_seqlens.cuda(), layout.cu_seqlens_padded.cuda(), layout.total_tokens, cp, -1,
-            cp_layout, roll, None,
+            CP_LAYOUT_CODES[cp_layout], roll, None,
         )
-        assert_same(out, values, (cp_layout, cp))
+        assert_same(out, dropped_as_zero(values, layout, lengths, cp, cp_layout, roll), (cp_layout, cp))
         del packed, pos, out
     if feature_shape == (4096,):
         return
@@ -724,12 +777,12 @@ def test_cuda_garbage_offsets_do_not_fault():
         cu_padded = torch.tensor(cu_padded, dtype=torch.int32, device="cuda")
         for lay in ("zigzag", "contiguous"):
             for rank in (-1, 0, 1):
-                OPS.preprocess_thd(values, cu, cu_padded, 6, 2, rank, lay, True, None)
+                OPS.preprocess_thd(values, cu, cu_padded, 6, 2, rank, CP_LAYOUT_CODES[lay], True, None)
                 padded = values[:3, None].expand(3, 4, 4)
-                OPS.preprocess_thd(padded, cu, cu_padded, 6, 2, rank, lay, True, mask)
+                OPS.preprocess_thd(padded, cu, cu_padded, 6, 2, rank, CP_LAYOUT_CODES[lay], True, mask)
                 p = packed if rank < 0 else packed[0]
-                OPS.postprocess_thd(p, cu, cu_padded, 10, 2, rank, lay, True, None)
-                OPS.postprocess_thd(p, cu, cu_padded, 10, 2, rank, lay, True, mask)
+                OPS.postprocess_thd(p, cu, cu_padded, 10, 2, rank, CP_LAYOUT_CODES[lay], True, None)
+                OPS.postprocess_thd(p, cu, cu_padded, 10, 2, rank, CP_LAYOUT_CODES[lay], True, mask)
     torch.cuda.synchronize()
     assert torch.equal(torch.ones(3, device="cuda").cpu(), torch.ones(3))
 
@@ -874,10 +927,10 @@ RAW_PACK_CASES = {
 
 def test_raw_pack_baseline():
     """The unmodified arguments of the raw battery are accepted."""
-    OPS.preprocess_thd(_V, _CU, _CUP, _LR, 2, 0, "zigzag", False, None)
-    OPS.preprocess_thd(_X, _CU, _CUP, _LR, 2, -1, "zigzag", True, _M)
-    OPS.postprocess_thd(torch.randn(2, _LR, 2), _CU, _CUP, _T, 2, -1, "zigzag", False, None)
-    OPS.postprocess_thd(torch.randn(_LR, 2), _CU, _CUP, _T, 2, 1, "zigzag", True, _M)
+    OPS.preprocess_thd(_V, _CU, _CUP, _LR, 2, 0, 0, False, None)
+    OPS.preprocess_thd(_X, _CU, _CUP, _LR, 2, -1, 0, True, _M)
+    OPS.postprocess_thd(torch.randn(2, _LR, 2), _CU, _CUP, _T, 2, -1, 0, False, None)
+    OPS.postprocess_thd(torch.randn(_LR, 2), _CU, _CUP, _T, 2, 1, 0, True, _M)
 
 
 @pytest.mark.parametrize("case", RAW_PACK_CASES)
@@ -929,18 +982,18 @@ def test_bad_input_device_mix():
     cu, cup = layout.cu_seqlens, layout.cu_seqlens_padded
     lr, T = layout.local_rows, layout.total_tokens
     with pytest.raises(ERRORS, match="preprocess_thd.*cu_seqlens"):
-        OPS.preprocess_thd(v, cu, cup.cuda(), lr, 2, 0, "zigzag", False, None)
+        OPS.preprocess_thd(v, cu, cup.cuda(), lr, 2, 0, 0, False, None)
     with pytest.raises(ERRORS, match="preprocess_thd.*cu_seqlens_padded"):
-        OPS.preprocess_thd(v, cu.cuda(), cup, lr, 2, 0, "zigzag", False, None)
+        OPS.preprocess_thd(v, cu.cuda(), cup, lr, 2, 0, 0, False, None)
     with pytest.raises(ERRORS, match="preprocess_thd.*attention_mask"):
-        OPS.preprocess_thd(x, cu.cuda(), cup.cuda(), lr, 2, 0, "zigzag", False, m)
+        OPS.preprocess_thd(x, cu.cuda(), cup.cuda(), lr, 2, 0, 0, False, m)
     with pytest.raises(ERRORS, match="preprocess_thd.*attention_mask"):
         preprocess_thd(x, layout, 0, attention_mask=m)
     packed = torch.randn(2, lr, 2, device="cuda")
     with pytest.raises(ERRORS, match="postprocess_thd.*cu_seqlens"):
-        OPS.postprocess_thd(packed, cu, cup.cuda(), T, 2, -1, "zigzag", False, None)
+        OPS.postprocess_thd(packed, cu, cup.cuda(), T, 2, -1, 0, False, None)
     with pytest.raises(ERRORS, match="postprocess_thd.*attention_mask"):
-        OPS.postprocess_thd(packed, cu.cuda(), cup.cuda(), T, 2, -1, "zigzag", False, m)
+        OPS.postprocess_thd(packed, cu.cuda(), cup.cuda(), T, 2, -1, 0, False, m)
     with pytest.raises(ERRORS, match="postprocess_thd.*attention_mask"):
         postprocess_thd(packed, layout, attention_mask=m)
     with pytest.raises(ERRORS, match="thd_layout"):  # a host op: no CUDA kernel

@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import reference
 import verl_stubs
 from reference import ref_layout
 
@@ -65,17 +66,18 @@ def ref_shard(per_seq_rows, padded, cp, rank, cp_layout):
 
 
 def ref_pack(seqs, padded, cp, rank, cp_layout, roll=False):
-    """(values, positions, valid, last_valid) of this rank's rows."""
-    vals, pos, valid, last = [], [], [], []
+    """(values, positions, valid, last_valid) of this rank's rows; values and positions follow
+    verl's rules in every row, padding included (reference.ref_pack)."""
+    cu_padded = [0]
+    for p in padded:
+        cu_padded.append(cu_padded[-1] + p)
+    vals, pos = reference.ref_pack(seqs, cu_padded, cp, rank, cp_layout, roll)
+    valid, last = [], []
     for s, p in zip(seqs, padded):
         n = s.shape[0]
-        v = torch.zeros((p, *s.shape[1:]), dtype=s.dtype)
-        v[:n] = torch.roll(s, -1, 0) if roll else s
-        vals.append(v)
-        pos.append(torch.arange(p))
         valid.append(torch.arange(p) < n)
         last.append(torch.arange(p) == n - 1)
-    return tuple(ref_shard(t, padded, cp, rank, cp_layout) for t in (vals, pos, valid, last))
+    return (vals, pos) + tuple(ref_shard(t, padded, cp, rank, cp_layout) for t in (valid, last))
 
 
 def pad_rows(seqs, padded, fill=None):
@@ -182,10 +184,10 @@ def test_preprocess_thd_engine(mcore, tp, cp, cp_layout, fp8, roll, feat):
         check_psp(psp, padded, cp_layout=cp_layout)
         assert psp.local_cp_size is None and psp.cp_group is None
         rv, rp, valid, last = ref_pack(seqs, padded, cp, rank, cp_layout, roll=roll)
-        rows = valid & ~last if roll else valid
-        assert_rows(packed[0], rv, rows)
-        assert not packed[0][~valid].any(), "padding rows must be zero"
-        assert torch.equal(pos[0], rp), "position ids: position inside the padded sequence"
+        assert torch.equal(packed[0], rv), "every row, padding included, is verl's"
+        if not roll:
+            assert not packed[0][~valid].any(), "padding rows must be zero"
+        assert torch.equal(pos[0], rp), "position ids: verl's, padding rows included"
 
 
 @pytest.mark.parametrize("roll", [False, True])
@@ -216,8 +218,9 @@ def test_preprocess_thd_engine_extra_padding(mcore, min_local_rows, bucket, cp_l
             check_psp(psp, padded, cp_layout=cp_layout)
             rv, rp, valid, last = ref_pack(seqs, padded, cp, rank, cp_layout, roll=roll)
             assert packed.shape[1] == sum(padded) // cp
-            assert_rows(packed[0], rv, valid & ~last if roll else valid)
-            assert not packed[0][~valid].any()
+            assert torch.equal(packed[0], rv)
+            if not roll:
+                assert not packed[0][~valid].any()
             assert torch.equal(pos[0], rp)
 
 
@@ -756,12 +759,8 @@ class TestRealVerl:
                 ours, our_psp, our_pos = vi.preprocess_thd_engine(x, **kw)
                 _same_psp(our_psp, their_psp)
                 assert ours.shape == theirs.shape and our_pos.shape == their_pos.shape
-                padded = our_psp.verl_ops_layout.seqlens_padded
-                _, _, valid, last = ref_pack(seqs, padded, cp, rank, cp_layout)
-                rows = valid & ~last if roll else valid
-                assert_rows(ours[0], theirs[0], rows)
-                if not roll:  # verl rolls position ids too; ours are never rolled (OPS.md)
-                    assert_rows(our_pos[0], their_pos[0], valid)
+                # every row, padding rows and rolled position ids included
+                assert torch.equal(ours, theirs) and torch.equal(our_pos, their_pos)
                 compared += 1
             # postprocess
             for cp in CPS:
@@ -818,11 +817,8 @@ class TestRealVerl:
                     continue
                 ours, our_psp, our_pos = vi.preprocess_thd_engine(x, **kw)
                 _same_psp(our_psp, their_psp)
-                _, _, valid, last = ref_pack(seqs, our_psp.verl_ops_layout.seqlens_padded, cp, rank, "zigzag")
                 assert ours.shape == theirs.shape
-                assert_rows(ours[0], theirs[0], valid & ~last if roll else valid)
-                if not roll:
-                    assert_rows(our_pos[0], their_pos[0], valid)
+                assert torch.equal(ours, theirs) and torch.equal(our_pos, their_pos)
 
     @pytest.mark.parametrize("roll", [False, True])
     def test_dynamic_cp(self, real_verl, real_mpu, monkeypatch, roll):
@@ -842,12 +838,11 @@ class TestRealVerl:
         outs, psps = [], []
         for rank in range(2):
             monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None, _r=rank: _r)
-            theirs, their_psp, _ = real_verl.preprocess_thd_engine(x, need_roll=roll, local_cp_size=2)
-            ours, our_psp, _ = vi.preprocess_thd_engine(x, need_roll=roll, local_cp_size=2)
+            theirs, their_psp, their_pos = real_verl.preprocess_thd_engine(x, need_roll=roll, local_cp_size=2)
+            ours, our_psp, our_pos = vi.preprocess_thd_engine(x, need_roll=roll, local_cp_size=2)
             _same_psp(our_psp, their_psp)
             assert our_psp.cp_group is group and our_psp.local_cp_size == 2
-            _, _, valid, last = ref_pack(seqs, our_psp.verl_ops_layout.seqlens_padded, 2, rank, "zigzag")
-            assert_rows(ours[0], theirs[0], valid & ~last if roll else valid)
+            assert torch.equal(ours, theirs) and torch.equal(our_pos, their_pos)
             outs.append(ours.to(torch.float32) * 2)
             psps.append(their_psp)
         for rank in range(2):
@@ -861,11 +856,13 @@ class TestRealVerl:
                 assert torch.equal(a, t)
 
     def test_install_patches_real_module(self, real_verl):
-        originals = {name: getattr(real_verl, name) for name in vi._DROP_INS}
+        drop_ins = vi._all_drop_ins()
+        originals = {name: getattr(real_verl, name) for name in drop_ins}
         try:
-            patched = vi.install(strict=True)
-            assert patched == sorted(f"verl.models.mcore.util.{n}" for n in vi._DROP_INS)
-            for name, ours in vi._DROP_INS.items():
+            rep = vi.install(strict=True, report=True)
+            assert rep["patched"] == sorted(f"verl.models.mcore.util.{n}" for n in drop_ins)
+            assert rep["missing"] == [] and rep["incompatible"] == [] and vi.last_report == rep
+            for name, ours in drop_ins.items():
                 assert getattr(real_verl, name) is ours
         finally:
             vi.uninstall()

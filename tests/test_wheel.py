@@ -1,5 +1,7 @@
-"""The wheel built from this tree installs into a fresh virtual environment (sharing the installed
-torch) and works there, away from the source tree."""
+"""The wheel built from this tree installs into a fresh virtual environment and works there, away
+from the source tree. The fresh environment sees the torch of the interpreter running the tests
+through a .pth file (it holds no packages of its own but the wheel), so this works whether that
+interpreter is a system Python or itself a virtual environment."""
 
 import os
 import subprocess
@@ -8,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,22 +29,58 @@ SMOKE = textwrap.dedent(
 )
 
 
-@pytest.mark.timeout(1800)
-def test_wheel_installs_in_fresh_venv(tmp_path):
-    wheel_dir = tmp_path / "wheels"
+def build_wheel(out_dir: Path) -> Path:
+    """`pip wheel` of this tree against the running interpreter's torch; returns the wheel."""
     env = dict(os.environ)
     env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", str(ROOT),
-         "-w", str(wheel_dir)],
-        check=True, env=env, cwd=tmp_path,
+        [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "-q", str(ROOT), "-w", str(out_dir)],
+        check=True, env=env, cwd=out_dir,
     )
-    wheels = list(wheel_dir.glob("verl_ops-*.whl"))
+    wheels = list(out_dir.glob("verl_ops-*.whl"))
     assert len(wheels) == 1, wheels
+    return wheels[0]
 
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-    py = venv / "bin" / "python"
-    subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", str(wheels[0])], check=True)
-    out = subprocess.run([str(py), "-c", SMOKE], check=True, cwd=tmp_path, capture_output=True, text=True)
+
+def fresh_venv(path: Path, see_site_packages: str | None) -> Path:
+    """A new venv; with see_site_packages, a .pth file puts that directory on its path."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(path)], check=True)
+    py = path / "bin" / "python"
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    if see_site_packages:
+        Path(purelib, "_verl_ops_test_torch.pth").write_text(see_site_packages + "\n")
+    return py
+
+
+def install_wheel(py: Path, wheel: Path) -> None:
+    # The venv has no pip of its own; the running interpreter's pip installs into it.
+    purelib = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-compile", "--target", purelib, str(wheel)],
+        check=True,
+    )
+
+
+@pytest.mark.timeout(1800)
+def test_wheel_installs_in_fresh_venv(tmp_path):
+    wheel = build_wheel(tmp_path)
+    # The name says what the binary needs: one abi3 wheel for every Python >= 3.10, the CUDA
+    # major (or cpu) as the local version; the metadata asks for torch >= 2.9.
+    assert "-cp310-abi3-" in wheel.name, wheel.name
+    import zipfile
+
+    with zipfile.ZipFile(wheel) as z:
+        meta = z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "Requires-Dist: torch>=2.9" in meta, meta
+    torch_site = str(Path(torch.__file__).resolve().parents[1])
+    py = fresh_venv(tmp_path / "venv", torch_site)
+    install_wheel(py, wheel)
+    out = subprocess.run([str(py), "-c", SMOKE], cwd=tmp_path, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout + out.stderr
     assert "wheel smoke ok" in out.stdout
