@@ -35,7 +35,6 @@ import datetime
 import math
 import os
 import shlex
-import statistics
 import sys
 import traceback
 
@@ -47,6 +46,7 @@ try:
 except ImportError:  # run from a checkout without installing
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import verl_ops
+from verl_ops.timing import device_time  # noqa: E402
 
 DQK, DV = 192, 128
 SHAPES = [(4, 4096, 16), (1, 16384, 16), (16, 1024, 16), (4, 4096, 128)]
@@ -54,18 +54,8 @@ QUICK_SHAPES = [(2, 1024, 16), (4, 512, 16)]
 
 
 def time_cuda(fn, reps, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(times)
+    """Median device time of fn() in seconds (verl_ops.timing: CUDA events, launch overhead hidden)."""
+    return device_time(lambda i: fn(), torch.device("cuda"), n=reps, warmup=warmup)
 
 
 def matmul_tflops(reps):

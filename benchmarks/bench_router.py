@@ -132,10 +132,10 @@ def run(args):
     lay_tc = verl_ops.ThdLayout.from_lengths(lengths, tp_size=tp, cp_size=cp, fp8_padding=True, device=device)
     t_sp = lay_tc.local_rows // tp
     layers = list(packed[:t_sp].permute(1, 0, 2).to(torch.int64).contiguous().unbind(0))
-    local, _ = OPS.router_topk_record(layers)
+    local, _ = OPS.router_topk_record_layers(layers)
     assert torch.equal(local, packed[:t_sp]), "record local != input rows"
-    t = device_time(lambda i: OPS.router_topk_record(layers), device, n=args.repeats)
-    ops, syncs = gpu_ops_and_syncs(lambda: OPS.router_topk_record(layers), device)
+    t = device_time(lambda i: OPS.router_topk_record_layers(layers), device, n=args.repeats)
+    ops, syncs = gpu_ops_and_syncs(lambda: OPS.router_topk_record_layers(layers), device)
     local_verl = wall_time(lambda: torch.stack([x.to(torch.int16) for x in layers]).permute(1, 0, 2).contiguous(), device, n=3)
     rows.append((f"record local (tp={tp}, cp={cp} rank, ids int64)", t_sp * L * K * 10, t, local_verl, None, ops, syncs))
     del layers, local

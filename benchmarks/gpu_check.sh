@@ -10,17 +10,31 @@ nvidia-smi -L | tee "$OUT/device.txt"
 python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)" | tee -a "$OUT/device.txt"
 
 t0=$(date +%s)
-TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
-  python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
-  || { tail -40 "$OUT/build.log"; exit 1; }
+REPO="$(pwd)"
+if [ "${WHEEL:-0}" = 1 ]; then
+  # The binary wheel built against this machine's torch, installed as a user would; the tests run
+  # from outside the tree so that `import verl_ops` finds the installed package.
+  rm -rf "$OUT/wheel" && mkdir -p "$OUT/wheel"
+  TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+    python3 -m pip wheel -q --no-build-isolation --no-deps . -w "$OUT/wheel" > "$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; exit 1; }
+  python3 -m pip install -q --no-deps --force-reinstall "$OUT"/wheel/verl_ops-*.whl >> "$OUT/build.log" 2>&1 || exit 1
+  ls "$OUT"/wheel; rm -rf "$OUT/wheel"
+  RUN_DIR="$(mktemp -d)"
+else
+  TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" MAX_JOBS="${MAX_JOBS:-16}" \
+    python3 -m pip install -q --no-build-isolation --no-deps -e . > "$OUT/build.log" 2>&1 \
+    || { tail -40 "$OUT/build.log"; exit 1; }
+  RUN_DIR="$REPO"
+fi
 echo "build: $(( $(date +%s) - t0 )) s"
-python3 -c "import verl_ops; assert verl_ops.cuda_available(); print('cuda kernels ok')" || exit 1
+(cd "$RUN_DIR" && python3 -c "import verl_ops; assert verl_ops.cuda_available(); print('cuda kernels ok', verl_ops.__file__, verl_ops._library.HAS_LAYERS)") || exit 1
 
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
   t0=$(date +%s)
-  timeout "${TEST_TIMEOUT:-400}" python3 -m pytest tests -q -k "not wheel" -p no:cacheprovider ${PYTEST_ARGS:-} \
-    > "$OUT/tests.log" 2>&1 || status=1
+  (cd "$RUN_DIR" && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest "$REPO/tests" -q -k "not wheel" -p no:cacheprovider \
+    ${PYTEST_ARGS:-}) > "$OUT/tests.log" 2>&1 || status=1
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30; tail -2 "$OUT/tests.log"
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
@@ -28,8 +42,8 @@ for suite in ${SANITIZE:-}; do
   # suite is a test file stem; only its CUDA cases (compile tests excluded: memcheck slows the
   # compiler, not our kernels).
   t0=$(date +%s)
-  timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
-    python3 -m pytest "tests/test_${suite}.py" -q -x -k "${SANITIZE_K:-cuda and not compile}" -p no:cacheprovider \
+  (cd "$RUN_DIR" && timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest "$REPO/tests/test_${suite}.py" -q -x -k "${SANITIZE_K:-cuda and not compile}" -p no:cacheprovider) \
     > "$OUT/sanitizer_${suite}.log" 2>&1; rc=$?
   echo "sanitizer ${suite}: rc=$rc $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitizer_${suite}.log" | tail -2 | tr '\n' ' ') [$(( $(date +%s) - t0 )) s]"
   [ $rc -eq 0 ] || status=1
