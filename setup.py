@@ -138,6 +138,13 @@ def _extensions():
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
     std = _cxx_standard()
     link_args = _shared_libstdcxx_link_args()
+    if not _torch_at_least(2, 10):
+        # torch 2.9's torch/csrc/stable/tensor_inl.h defines Tensor::scalar_type() without
+        # `inline` (fixed in 2.10), so every translation unit that includes the stable Tensor
+        # emits the same strong symbol and the link fails with "multiple definition". The copies
+        # are one header's code; the linker keeps the first. Builds against torch >= 2.10 link
+        # strictly.
+        link_args = link_args + ["-Wl,--allow-multiple-definition"]
     print(f"verl_ops: building against torch {torch.__version__} with -std={std}, stable ABI target 2.9")
     main = sorted(
         glob.glob(os.path.join("csrc", "*.cpp"))

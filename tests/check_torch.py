@@ -132,7 +132,11 @@ def main() -> int:
             how = f"source, CPU kernels (torch CUDA {cuda}, nvcc {nvcc_major()})"
         env.setdefault("TORCH_CUDA_ARCH_LIST", "9.0")
         t0 = time.time()
-        build = run([py, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", ROOT], env=env, cwd=work)
+        # A copy of the tree, so that this build's objects never mix with the checkout's build/.
+        src = work / f"src-{version}"
+        shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(
+            ".git", "build", "dist", "*.egg-info", "__pycache__", "*.so", "gpu_out"))
+        build = run([py, "-m", "pip", "install", "-q", "--no-build-isolation", "--no-deps", src], env=env, cwd=work)
         how += f", built in {time.time() - t0:.0f} s"
         if build.returncode != 0:
             rows.append((version, how, "BUILD FAILED", "-", "-"))
