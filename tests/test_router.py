@@ -52,12 +52,15 @@ def op_list(x):
 
 def record_op(x, *args):
     """router_topk_record on one [L, T, K] tensor; router_topk_record_layers on a list of [T, K]
-    (under torch < 2.10, which has no list op, the list is stacked)."""
+    (under torch < 2.10, which has no list op, the list goes through the Python API's fallback,
+    which checks the layers with router_topk_record_layers' words and stacks them)."""
     if isinstance(x, torch.Tensor):
         return OPS.router_topk_record(x, *args)
     if HAS_LAYERS:
         return OPS.router_topk_record_layers(list(x), *args)
-    return OPS.router_topk_record(torch.stack(list(x)), *args)
+    from verl_ops.router import _layer_list
+
+    return OPS.router_topk_record(_layer_list("router_topk_record", list(x))[0], *args)
 
 
 def emulated_merge(case, form, device, attention_mask=None):
@@ -426,7 +429,8 @@ def test_bad_input_record(rng):
         record_op([torch.zeros(1, (1 << 20) + 1, dtype=torch.int16)])
     with pytest.raises(ValueError, match="merge_router_topk: indices must be a non-empty list"):
         merge_router_topk([], layout)
-    with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[0\] must be \[T_local_sp, K\]"):
+    # (ValueError from the Python fallback under torch < 2.10, RuntimeError from the list op.)
+    with pytest.raises((RuntimeError, ValueError), match=r"router_topk_record: indices\[0\] must be (a )?\[T_local_sp, K\]"):
         record_op([torch.zeros(3, dtype=torch.long), torch.zeros(3, dtype=torch.long)])
     with pytest.raises(RuntimeError, match="router_topk_record: cu_seqlens_padded\\[-1\\]=.* does not match"):
         record_op([t[:-1] for t in rec], layout.cu_seqlens, layout.cu_seqlens_padded, layout.total_tokens)
