@@ -623,36 +623,10 @@ def real_verl():
                 f"megatron-core not importable ({type(e).__name__}: {e}); "
                 "pip install --no-deps verl==0.9.1 megatron-core==0.16.1"
             )
-        util = sys.modules.get("verl.models.mcore.util")
-        if util is None:
-            spec = importlib.util.find_spec("verl") if "verl" not in sys.modules else None
-            if spec is None or not spec.submodule_search_locations:
-                pytest.skip("verl not installed; pip install --no-deps verl==0.9.1 megatron-core==0.16.1")
-            root = next(iter(spec.submodule_search_locations))
-            path = os.path.join(root, "models", "mcore", "util.py")
-            if not os.path.exists(path):
-                pytest.skip(f"this verl has no {path}")
-            # Load util.py alone: skip verl/__init__.py (ray, tensordict, ...) and stub the two
-            # verl modules it imports (NPU detection, an output dataclass used in annotations).
-            for name, sub in (
-                ("verl", ""),
-                ("verl.models", "models"),
-                ("verl.models.mcore", "models/mcore"),
-                ("verl.utils", "utils"),
-            ):
-                pkg = types.ModuleType(name)
-                pkg.__path__ = [os.path.join(root, sub)] if sub else [root]
-                mp.setitem(sys.modules, name, pkg)
-            device = types.ModuleType("verl.utils.device")
-            device.is_npu_available = False
-            model = types.ModuleType("verl.utils.model")
-            model.CausalLMOutputForPPO = type("CausalLMOutputForPPO", (), {})
-            mp.setitem(sys.modules, "verl.utils.device", device)
-            mp.setitem(sys.modules, "verl.utils.model", model)
-            spec = importlib.util.spec_from_file_location("verl.models.mcore.util", path)
-            util = importlib.util.module_from_spec(spec)
-            mp.setitem(sys.modules, "verl.models.mcore.util", util)
-            spec.loader.exec_module(util)
+        try:
+            util = verl_stubs.load_verl_util(mp)
+        except LookupError as e:
+            pytest.skip(str(e))
         for name in vi._DROP_INS:
             if not hasattr(util, name):
                 pytest.skip(f"this verl's util.py has no {name}")

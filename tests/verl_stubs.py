@@ -11,6 +11,8 @@ the other ranks' shards from precomputed tensors, so CP > 1 postprocessing runs 
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import sys
 import types
 from dataclasses import dataclass
@@ -115,3 +117,38 @@ def fake_all_gather(shards, rank: int, calls: list | None = None):
             calls.append(group)
 
     return all_gather
+
+
+def load_verl_util(monkeypatch):
+    """verl's ``verl/models/mcore/util.py`` (the installed verl), loaded on its own.
+
+    verl/__init__.py (ray, tensordict, ...) is skipped and the two light verl modules util.py
+    imports (NPU detection, an output dataclass used in annotations) are stubbed, so none of
+    verl's heavy dependencies are needed; megatron-core (real or :func:`install_megatron_stub`)
+    must be importable. Raises LookupError when verl or its util.py is missing.
+    """
+    util = sys.modules.get("verl.models.mcore.util")
+    if util is not None:
+        return util
+    spec = importlib.util.find_spec("verl") if "verl" not in sys.modules else None
+    if spec is None or not spec.submodule_search_locations:
+        raise LookupError("verl not installed; pip install --no-deps verl==0.9.1 megatron-core==0.16.1")
+    root = next(iter(spec.submodule_search_locations))
+    path = os.path.join(root, "models", "mcore", "util.py")
+    if not os.path.exists(path):
+        raise LookupError(f"this verl has no {path}")
+    for name, sub in (("verl", ""), ("verl.models", "models"), ("verl.models.mcore", "models/mcore"), ("verl.utils", "utils")):
+        pkg = types.ModuleType(name)
+        pkg.__path__ = [os.path.join(root, sub)] if sub else [root]
+        monkeypatch.setitem(sys.modules, name, pkg)
+    device = types.ModuleType("verl.utils.device")
+    device.is_npu_available = False
+    model = types.ModuleType("verl.utils.model")
+    model.CausalLMOutputForPPO = type("CausalLMOutputForPPO", (), {})
+    monkeypatch.setitem(sys.modules, "verl.utils.device", device)
+    monkeypatch.setitem(sys.modules, "verl.utils.model", model)
+    spec = importlib.util.spec_from_file_location("verl.models.mcore.util", path)
+    util = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "verl.models.mcore.util", util)
+    spec.loader.exec_module(util)
+    return util
