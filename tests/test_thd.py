@@ -385,6 +385,45 @@ def test_gradcheck_postprocess(device, cp_layout, cp):
     assert torch.autograd.gradgradcheck(lambda p: postprocess_thd(p, layout, as_nested=False), (packed,))
 
 
+def test_grad_modes(device):
+    """The Python API calls the op below the Autograd key when nothing needs a gradient (an input
+    without requires_grad, no_grad, inference mode) and through it otherwise: same values, a
+    graph only where one is wanted, gradients through the recorded one."""
+    batch, layout = small_case(cp=2)
+    values = batch.values.to(device)
+    ref = preprocess_thd(values, layout, 1)[0]
+    assert ref.grad_fn is None and not ref.requires_grad
+    leaf = values.clone().requires_grad_()
+    out = preprocess_thd(leaf, layout, 1)[0]
+    assert out.grad_fn is not None and torch.equal(out.detach(), ref)
+    out.sum().backward()
+    assert leaf.grad.sum().item() == layout_valid_rows(layout, 1) * values.shape[1]
+    with torch.no_grad():
+        out = preprocess_thd(leaf, layout, 1)[0]
+    assert out.grad_fn is None and not out.requires_grad and torch.equal(out, ref)
+    with torch.inference_mode():
+        out = preprocess_thd(values, layout, 1)[0]
+    assert out.is_inference() and torch.equal(out, ref)
+    shards = torch.stack([preprocess_thd(values, layout, r)[0] for r in range(2)])
+    back = postprocess_thd(shards, layout, as_nested=False)
+    assert back.grad_fn is None and torch.equal(back, values)
+    leaf = shards.clone().requires_grad_()
+    back = postprocess_thd(leaf, layout, as_nested=False)
+    assert back.grad_fn is not None and torch.equal(back.detach(), values)
+
+
+def layout_valid_rows(layout, rank):
+    """How many of this rank's rows hold a valid token (each receives gradient 1 from sum())."""
+    cu, cu_padded = layout.cu_seqlens.tolist(), layout.cu_seqlens_padded.tolist()
+    count = 0
+    for i in range(len(cu) - 1):
+        n, p = cu[i + 1] - cu[i], cu_padded[i + 1] - cu_padded[i]
+        c = p // (2 * layout.cp_size)
+        for chunk in (rank, 2 * layout.cp_size - 1 - rank):
+            count += max(0, min(n, (chunk + 1) * c) - chunk * c)
+    return count
+
+
 @pytest.mark.parametrize("roll", [False, True], ids=["noroll", "roll"])
 def test_gradcheck_raw_ops(device, roll):
     batch, layout = small_case(cp=2, fp8_padding=True)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ._library import call_op
 from ._validate import INT32_MAX, as_int, check_plain, host_values_required, is_meta
 
 _ops = torch.ops.verl_ops
@@ -160,7 +161,7 @@ def jagged_gather(
     if values.dim() >= 1 and values.device.type not in ("cpu", "meta") and not _tracing(values):
         if validate is None or validate:
             _check_values_on_host(op, src_starts, cu_seqlens_out, total_out, values.shape[0], False)
-    return _ops.jagged_gather(values, src_starts, cu_seqlens_out, total_out)
+    return call_op(_ops.jagged_gather, values, values, src_starts, cu_seqlens_out, total_out)
 
 
 def jagged_scatter(
@@ -185,7 +186,7 @@ def jagged_scatter(
     if grad.dim() >= 1 and grad.device.type not in ("cpu", "meta") and not _tracing(grad):
         if validate is None or validate:
             _check_values_on_host(op, src_starts, cu_seqlens_out, grad.shape[0], total_in, True)
-    return _ops.jagged_scatter(grad, src_starts, cu_seqlens_out, total_in)
+    return call_op(_ops.jagged_scatter, grad, grad, src_starts, cu_seqlens_out, total_in)
 
 
 def jagged_indices(lengths, selection, device=None) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -29,3 +29,22 @@ def _load_layers() -> bool:
 
 
 HAS_LAYERS = _load_layers()
+
+
+_BelowAutograd = torch._C._AutoDispatchBelowAutograd
+
+
+def call_op(op, grad_input: torch.Tensor, *args):
+    """``op(*args)``, skipping the Autograd dispatch key when ``grad_input`` (the op's one
+    differentiable input) needs no gradient or grad mode is off.
+
+    The autograd formulas are registered from Python (torch.library.register_autograd); that
+    Autograd kernel runs on every call, recording or not, and costs several times the rest of the
+    call on the host (the dispatcher, the argument checks and the launch; see
+    benchmarks/RESULTS.md). Below the Autograd key the op runs the same kernel. Inside
+    torch.compile tracing the op is called plainly, so the graph is the same either way.
+    """
+    if torch.compiler.is_compiling() or (grad_input.requires_grad and torch.is_grad_enabled()):
+        return op(*args)
+    with _BelowAutograd():
+        return op(*args)

@@ -7,6 +7,7 @@ import zlib
 
 import torch
 
+from ._library import call_op
 from ._validate import check_jagged, check_plain, is_meta
 from .layout import ThdLayout
 
@@ -200,7 +201,9 @@ def preprocess_thd(
             raise ValueError(
                 f"{op}: jagged values must be [total_tokens={layout.total_tokens}, *F], got {tuple(x.shape)}"
             )
-    return _ops.preprocess_thd(
+    return call_op(
+        _ops.preprocess_thd,
+        values,
         values,
         cu,
         cu_padded,
@@ -258,7 +261,9 @@ def postprocess_thd(
             raise ValueError(f"{op}: packed must be [local_rows={layout.local_rows}, *F], got {tuple(packed.shape)}")
         if attention_mask is not None:
             _check_mask_lengths(op, attention_mask, layout, validate)
-        out = _ops.postprocess_thd(
+        out = call_op(
+            _ops.postprocess_thd,
+            packed,
             packed,
             cu,
             cu_padded,
