@@ -1,0 +1,128 @@
+"""Host cost per call of the THD ops, layer by layer, beside the kernel's own device time.
+
+    python benchmarks/bench_overhead.py [--out results_overhead.md]
+
+Eager mode, inputs already on the device, validate=False where the API has it. "host" is the
+mean time per call of a loop of back-to-back calls with no synchronisation inside (the kernels
+are short, so the loop is bound by the host: Python, dispatcher, checks, launch); "device" is the
+kernel's time from CUDA events (verl_ops.timing.device_time). Layers:
+
+  raw op (Autograd key)   torch.ops.verl_ops.preprocess_thd.default(...) as called from Python;
+                          the Python-registered autograd kernel runs even when nothing records
+  raw op below Autograd   the same under torch._C._AutoDispatchBelowAutograd (the C++ op:
+                          dispatcher, argument checks, allocation, launch)
+  API (before)            verl_ops.preprocess_thd(values, layout, 0, validate=False) calling the op
+                          through the Autograd key, as before the fast path
+  API                     the same call as it is now (below the Autograd key when no gradient
+                          is needed)
+  API, nested input       the same from a jagged nested tensor
+  verl drop-in            verl_ops.integrations.verl.preprocess_thd_engine(nested) end to end,
+                          layout built from the nested tensor's device offsets (megatron stubbed)
+
+Batches: 256 sequences of token ids (int64) and 1024 sequences of fp32 [.., 1] values, log-normal
+lengths (sigma 1, median 256), cp=1 and cp=4 zigzag (rank 0).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+
+import verl_ops  # noqa: E402
+from verl_ops import _thd  # noqa: E402
+from verl_ops.timing import device_time, sync  # noqa: E402
+
+
+def host_time(fn, device, n=2000, warmup=50):
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t = (time.perf_counter() - t0) / n
+    sync(device)
+    return t
+
+
+def lognormal(n, median, seed):
+    rng = random.Random(seed)
+    return [max(1, int(round(median * math.exp(rng.gauss(0.0, 1.0))))) for _ in range(n)]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--n", type=int, default=2000)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    device = torch.device(args.device)
+
+    import pytest
+    import verl_stubs
+
+    from verl_ops.integrations import verl as vi
+
+    mp = pytest.MonkeyPatch()
+    cfg = verl_stubs.install_megatron_stub(mp)
+
+    op = torch.ops.verl_ops.preprocess_thd.default
+    through_autograd = lambda o, g, *a: o(*a)  # noqa: E731  (the API before the fast path)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [
+        f"### Host cost per call ({name}, torch {torch.__version__})",
+        "",
+        "| batch | cp | raw op (Autograd key) | raw op below Autograd | API (before) | API | API, nested input "
+        "| verl drop-in e2e | kernel device time |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    print("\n".join(lines), flush=True)
+    for label, B, feat, dtype in (("256 seqs ids int64", 256, (), torch.int64), ("1024 seqs fp32 [.,1]", 1024, (1,), torch.float32)):
+        lengths = lognormal(B, 256, seed=B)
+        T = sum(lengths)
+        values = (torch.randint(0, 32000, (T, *feat)) if dtype == torch.int64 else torch.randn(T, *feat)).to(device, dtype)
+        offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device)
+        nested = torch.nested.nested_tensor_from_jagged(values, offsets)
+        for cp in (1, 4):
+            layout = verl_ops.ThdLayout.from_lengths(lengths, cp_size=cp, device=device)
+            cu, cup = layout.cu_seqlens, layout.cu_seqlens_padded
+            raw_args = (values, cu, cup, layout.local_rows, cp, 0, layout.cp_layout_code, False, None)
+
+            def below():
+                with torch._C._AutoDispatchBelowAutograd():
+                    return op(*raw_args)
+
+            t_raw = host_time(lambda: op(*raw_args), device, args.n)
+            t_below = host_time(below, device, args.n)
+            mp.setattr(_thd, "call_op", through_autograd)
+            t_before = host_time(lambda: verl_ops.preprocess_thd(values, layout, 0, validate=False), device, args.n)
+            mp.undo()
+            cfg = verl_stubs.install_megatron_stub(mp)
+            t_api = host_time(lambda: verl_ops.preprocess_thd(values, layout, 0, validate=False), device, args.n)
+            t_nested = host_time(lambda: verl_ops.preprocess_thd(nested, layout, 0, validate=False), device, args.n)
+            cfg.cp, cfg.cp_rank = cp, 0
+            t_dropin = host_time(lambda: vi.preprocess_thd_engine(nested), device, max(50, args.n // 20))
+            t_dev = device_time(lambda i: op(*raw_args), device, 50) if device.type == "cuda" else float("nan")
+            us = lambda t: f"{t * 1e6:.1f} µs"  # noqa: E731
+            row = (f"| {label} | {cp} | {us(t_raw)} | {us(t_below)} | {us(t_before)} | {us(t_api)} | {us(t_nested)} "
+                   f"| {us(t_dropin)} | {us(t_dev)} |")
+            lines.append(row)
+            print(row, flush=True)
+    mp.undo()
+    lines += ["", "- mean over back-to-back eager calls, no synchronisation inside the loop; "
+              "`python benchmarks/bench_overhead.py`"]
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
