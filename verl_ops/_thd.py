@@ -8,7 +8,7 @@ import zlib
 import torch
 
 from ._library import call_op
-from ._validate import check_jagged, check_plain, is_meta
+from ._validate import check_jagged, check_plain, device_of, is_jagged_nested, is_meta
 from .layout import ThdLayout
 
 _ops = torch.ops.verl_ops
@@ -144,9 +144,10 @@ def _offsets_on(op: str, layout: ThdLayout, t: torch.Tensor) -> tuple[torch.Tens
     when the layout lives elsewhere; plain tensor ops, so this also traces under torch.compile)."""
     if not isinstance(layout, ThdLayout):
         raise TypeError(f"{op}: layout must be a verl_ops.ThdLayout, got {type(layout)}")
-    if layout.cu_seqlens.device == t.device:
+    device = device_of(t)
+    if layout.cu_seqlens.device == device:
         return layout.cu_seqlens, layout.cu_seqlens_padded
-    both = torch.stack([layout.cu_seqlens_cpu, layout.cu_seqlens_padded_cpu]).to(t.device)
+    both = torch.stack([layout.cu_seqlens_cpu, layout.cu_seqlens_padded_cpu]).to(device)
     return both[0], both[1]
 
 
@@ -183,7 +184,7 @@ def preprocess_thd(
         raise TypeError(f"{op}: x must be a tensor (jagged nested, values or padded), got {type(x).__name__}")
     cu, cu_padded = _offsets_on(op, layout, x)
     _check_cp_rank(op, layout, cp_rank)
-    if x.is_nested:
+    if is_jagged_nested(x) or x.is_nested:
         if attention_mask is not None:
             raise ValueError(f"{op}: attention_mask is for padded input, not for a nested tensor")
         values = _nested_values(op, "x", x, layout, validate)

@@ -32,6 +32,11 @@ from collections.abc import Sequence
 
 import torch
 
+try:  # the class of every jagged nested tensor (torch.nested.nested_tensor_from_jagged and friends)
+    from torch.nested._internal.nested_tensor import NestedTensor as _JaggedNT
+except ImportError:  # pragma: no cover - a torch without it: every check takes the generic path
+    _JaggedNT = ()
+
 INT32_MAX = 2**31 - 1
 INT64_MAX = 2**63 - 1
 
@@ -144,8 +149,24 @@ def as_lengths(op: str, name: str, lengths) -> list:
     return out
 
 
+def is_jagged_nested(x) -> bool:
+    """True for a jagged nested tensor, decided from its Python class: a nested tensor's
+    properties (``is_nested``, ``layout``, ``device``) each go through its ``__torch_function__``,
+    several microseconds of host time per read on the eager hot path."""
+    return isinstance(x, _JaggedNT) if _JaggedNT else (isinstance(x, torch.Tensor) and x.is_nested
+                                                       and x.layout == torch.jagged)
+
+
+def device_of(t: torch.Tensor) -> torch.device:
+    """``t.device``; for a jagged nested tensor read from its values (the same device, without the
+    nested tensor's per-read dispatch)."""
+    return t._values.device if isinstance(t, _JaggedNT) else t.device
+
+
 def check_jagged(op: str, name: str, x) -> None:
     """``x`` is a jagged nested tensor without holes (or raise the one shared message)."""
+    if _JaggedNT and isinstance(x, _JaggedNT) and x._lengths is None:
+        return
     if not isinstance(x, torch.Tensor) or not x.is_nested:
         raise ValueError(f"{op}: {name} {JAGGED_REQUIREMENT}, got {_describe_nested(x)}")
     if x.layout != torch.jagged:

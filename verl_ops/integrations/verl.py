@@ -380,7 +380,7 @@ def preprocess_thd_engine(
         fp8_padding=bool(use_fp8_padding),
         min_local_rows=min_local_rows,
         pad_to_length_bucket=pad_to_length_bucket,
-        device=input_ids.device,
+        device=offsets.device,
     )
     packed_seq_params = _make_packed_seq_params(layout, extra)
     if not pre_process:
