@@ -830,12 +830,15 @@ class TestRealVerl:
                 assert torch.equal(a, t)
 
     def test_install_patches_real_module(self, real_verl):
-        drop_ins = vi._all_drop_ins()
+        # The drop-ins owned by util.py (the R3 / router-mask ones live in modules that import
+        # verl's full dependency tree; test_verl_r3.py installs those into stand-in modules).
+        drop_ins = {n: f for n, f in vi._all_drop_ins().items() if vi._OWNERS.get(n, vi._UTIL_MODULE) == vi._UTIL_MODULE}
         originals = {name: getattr(real_verl, name) for name in drop_ins}
         try:
-            rep = vi.install(strict=True, report=True)
+            rep = vi.install(report=True)
             assert rep["patched"] == sorted(f"verl.models.mcore.util.{n}" for n in drop_ins)
-            assert rep["missing"] == [] and rep["incompatible"] == [] and vi.last_report == rep
+            assert all(not m.startswith(vi._UTIL_MODULE) for m in rep["missing"]) and rep["incompatible"] == []
+            assert vi.last_report == rep
             for name, ours in drop_ins.items():
                 assert getattr(real_verl, name) is ours
         finally:

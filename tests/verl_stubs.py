@@ -152,3 +152,29 @@ def load_verl_util(monkeypatch):
     monkeypatch.setitem(sys.modules, "verl.models.mcore.util", util)
     spec.loader.exec_module(util)
     return util
+
+
+def load_verl_functions(relpath: str, names: list[str], namespace: dict | None = None) -> dict:
+    """Top-level functions ``names`` of the installed verl's ``verl/<relpath>``, read from that file
+    at run time and defined on their own (their module's heavy imports are not run), in a namespace
+    holding ``math`` and ``torch`` (plus ``namespace``). Raises LookupError when verl, the file or a
+    function is missing."""
+    import ast
+    import math
+
+    spec = importlib.util.find_spec("verl")
+    if spec is None or not spec.submodule_search_locations:
+        raise LookupError("verl not installed; pip install --no-deps verl==0.9.1")
+    path = os.path.join(next(iter(spec.submodule_search_locations)), relpath)
+    if not os.path.exists(path):
+        raise LookupError(f"this verl has no {path}")
+    with open(path) as f:
+        tree = ast.parse(f.read(), filename=path)
+    found = {node.name: node for node in tree.body if isinstance(node, ast.FunctionDef)}
+    missing = [n for n in names if n not in found]
+    if missing:
+        raise LookupError(f"{path} has no {', '.join(missing)}")
+    ns = {"math": math, "torch": torch, **(namespace or {})}
+    module = ast.Module(body=[found[n] for n in names], type_ignores=[])
+    exec(compile(module, path, "exec"), ns)  # noqa: S102  (verl's own functions, from the installed file)
+    return {n: ns[n] for n in names}

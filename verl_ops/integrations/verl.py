@@ -464,7 +464,11 @@ _DROP_INS = {
 }
 _UTIL_MODULE = "verl.models.mcore.util"
 # Module that owns each drop-in in verl (the one install() patches first); default _UTIL_MODULE.
-_OWNERS: dict[str, str] = {}
+_OWNERS: dict[str, str] = {
+    "_local_padding_mask": "verl.utils.dynamic_cp_scheduler",
+    "build_r3_replay_mask": "verl.utils.megatron.router_replay_utils",
+    "align_r3_router_replay_data": "verl.utils.megatron.router_replay_utils",
+}
 # (module name, attribute) -> verl's original function, for uninstall().
 _ORIGINALS: dict[tuple[str, str], object] = {}
 #: What the last :func:`install` did: ``{"patched": [...], "missing": [...], "incompatible": [...]}``.
@@ -472,11 +476,17 @@ last_report: dict[str, list[str]] = {"patched": [], "missing": [], "incompatible
 
 
 def _all_drop_ins() -> dict:
-    """The THD drop-ins above plus the BSHD / dict-output / VLM-mask ones (verl_bshd)."""
-    from . import verl_bshd
+    """The THD drop-ins above, the BSHD / dict-output / VLM-mask ones (verl_bshd) and the R3 /
+    router padding-mask ones (verl_r3)."""
+    from . import verl_bshd, verl_r3
 
     out = dict(_DROP_INS)
     out.update({name: getattr(verl_bshd, name) for name in verl_bshd.__all__})
+    out.update({
+        "_local_padding_mask": verl_r3.local_padding_mask,
+        "build_r3_replay_mask": verl_r3.build_r3_replay_mask,
+        "align_r3_router_replay_data": verl_r3.align_r3_router_replay_data,
+    })
     return out
 
 
@@ -498,7 +508,10 @@ def install(*, strict: bool = False, report: bool = False):
     ones of :mod:`verl_ops.integrations.verl_bshd` (``preprocess_bshd_engine``,
     ``postprocess_bshd_engine``, ``preprocess_bshd``, ``postprocess_bshd``,
     ``postprocess_packed_seqs_for_dict_output``, ``build_vlm_attn_mask_thd``,
-    ``build_vlm_attn_mask_bshd``) in the verl module that owns them (``verl.models.mcore.util``)
+    ``build_vlm_attn_mask_bshd``) and the R3 / router padding-mask ones of
+    :mod:`verl_ops.integrations.verl_r3` (``_local_padding_mask`` in
+    ``verl.utils.dynamic_cp_scheduler``; ``build_r3_replay_mask``, ``align_r3_router_replay_data`` in
+    ``verl.utils.megatron.router_replay_utils``) in the verl module that owns them (``verl.models.mcore.util`` unless named)
     and in every already-imported ``verl.*`` module that imported them by name (e.g.
     ``verl.models.mcore.model_forward``); modules imported later pick the drop-ins up from the
     owner. A function this verl does not have is reported as missing; one whose verl parameters
@@ -520,7 +533,7 @@ def install(*, strict: bool = False, report: bool = False):
         owner = _OWNERS.get(name, _UTIL_MODULE)
         try:
             mod = importlib.import_module(owner)
-        except ImportError:
+        except Exception:  # noqa: BLE001  (ImportError, or any error raised while verl's module imports)
             if strict:
                 raise
             result["missing"].append(f"{owner}.{name}")

@@ -1,0 +1,139 @@
+"""Drop-ins for verl's router-replay helpers of the rollout-routing-replay (R3) path and dynamic CP.
+
+==========================================  ===========================================================
+``local_padding_mask``                      verl's ``_local_padding_mask`` (``verl/utils/dynamic_cp_scheduler.py``):
+                                            bool ``[local_rows]``, True in the padding rows of one
+                                            CP rank's THD shard (Megatron-Core's router padding mask)
+``build_r3_replay_mask``                    ``verl/utils/megatron/router_replay_utils.py``: jagged bool,
+                                            True on every row but the last of each sequence that
+                                            has a response
+``align_r3_router_replay_data``             the same module: rollout routes (one row short where
+                                            the final token has none) padded with a zero row to the
+                                            input lengths
+==========================================  ===========================================================
+
+Each returns exactly what verl 0.9.1 returns (values, dtypes, devices, nested offsets, exception
+types and messages) without verl's per-sequence Python loops: the mask is computed for all rows
+at once from the lengths, the alignment is one gather of the route rows into their new places.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["align_r3_router_replay_data", "build_r3_replay_mask", "local_padding_mask"]
+
+
+def _rows_of(lengths: torch.Tensor):
+    """(sequence index, position in the sequence) of every row of sequences of these lengths."""
+    n = int(lengths.sum())
+    seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=n)
+    starts = torch.cumsum(lengths, 0) - lengths
+    return seq, torch.arange(n, device=lengths.device) - starts[seq]
+
+
+def local_padding_mask(
+    seq_lens,
+    *,
+    cp_size: int,
+    cp_rank: int,
+    tp_size: int,
+    cp_layout: str = "zigzag",
+    min_local_rows: int | None = None,
+) -> torch.Tensor:
+    """verl's ``_local_padding_mask``: the router padding mask of this CP rank's THD shard.
+
+    Sequences are padded to ``tp * cp`` (contiguous, or cp == 1) or ``tp * cp * 2`` (zigzag,
+    cp > 1); ``min_local_rows`` lengthens the last one so the batch has at least ``cp *
+    min_local_rows`` rows. Returns bool ``[local rows]`` on the CPU: False on rows holding a
+    token, True on padding rows (zigzag: each sequence's two chunks of this rank in order;
+    contiguous: this rank's slice of the padded batch).
+    """
+    if cp_layout not in ("zigzag", "contiguous"):
+        raise ValueError(f"Unsupported context parallel layout: {cp_layout}")
+    factor = 2 if cp_layout == "zigzag" and cp_size > 1 else 1
+    align = tp_size * cp_size * factor
+    lens = torch.tensor([int(n) for n in seq_lens], dtype=torch.int64)
+    padded = -(-lens // align) * align
+    if min_local_rows is not None:
+        if min_local_rows <= 0:
+            raise ValueError(f"min_local_rows must be positive, got {min_local_rows}")
+        deficit = cp_size * min_local_rows - int(padded.sum())
+        if deficit > 0:
+            if padded.numel() == 0:
+                raise IndexError("list index out of range")  # verl's error for an empty batch
+            padded[-1] += deficit
+
+    if cp_layout == "contiguous":
+        local = int(padded.sum()) // cp_size
+        ends = torch.cumsum(padded, 0)
+        g = torch.arange(local * cp_rank, local * (cp_rank + 1), dtype=torch.int64)
+        seq = torch.searchsorted(ends, g, right=True)
+        return ~((g - (ends - padded)[seq]) < lens[seq])
+
+    if lens.numel() == 0:
+        return torch.cat([])  # verl's error for an empty batch, word for word
+    local_len = padded // cp_size
+    seq, r = _rows_of(local_len)
+    n = lens[seq]
+    if cp_size == 1:
+        return ~(r < n)
+    half = (padded // (2 * cp_size))[seq]
+    front = (n - cp_rank * half).clamp(min=0).minimum(half)
+    back = (n - (padded[seq] - (cp_rank + 1) * half)).clamp(min=0).minimum(half)
+    valid = (r < front) | ((r >= half) & (r < half + back))
+    return ~valid
+
+
+def build_r3_replay_mask(input_ids: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+    """verl's R3 replay mask: jagged bool with ``input_ids``' offsets, True on every row of a
+    sequence except its last when the sequence has a response (``response_mask`` row sums > 0),
+    False everywhere in a sequence without one."""
+    offsets = input_ids.offsets()
+    total_lens = offsets.diff()
+    response_lens = response_mask.sum(dim=-1).to(device=total_lens.device, dtype=total_lens.dtype)
+    replay_lens = torch.where(response_lens > 0, total_lens - 1, torch.zeros_like(total_lens))
+    if bool((replay_lens < 0).any()):  # an empty sequence with a response: verl's error
+        raise RuntimeError("repeats can not be negative")
+    n = input_ids._values.shape[0] if hasattr(input_ids, "_values") else int(offsets[-1])
+    seq = torch.repeat_interleave(
+        torch.arange(total_lens.numel(), device=total_lens.device), total_lens, output_size=n
+    )
+    pos = torch.arange(n, device=total_lens.device) - offsets[:-1][seq]
+    return torch.nested.nested_tensor_from_jagged(pos < replay_lens[seq], offsets=offsets)
+
+
+def align_r3_router_replay_data(layers_topk_idx: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """verl's R3 route alignment: sequence i of ``layers_topk_idx`` (jagged ``[B, j, *F]``) holds
+    as many rows as sequence i of ``input_ids`` or exactly one fewer; the short ones get one zero
+    row appended. Returns a new jagged nested tensor (routes' dtype and device)."""
+    if not layers_topk_idx.is_nested or not input_ids.is_nested:
+        raise TypeError("R3 router replay requires jagged route targets and input_ids")
+    route_off = layers_topk_idx.offsets()
+    route_lens_t = layers_topk_idx._lengths if layers_topk_idx._lengths is not None else route_off.diff()
+    route_lens = [int(n) for n in route_lens_t.tolist()]
+    input_lens = [int(n) for n in input_ids.offsets().diff().tolist()]
+    if len(route_lens) != len(input_lens):
+        raise RuntimeError(
+            f"R3 router replay has {len(route_lens)} route sequences for {len(input_lens)} input sequences"
+        )
+    for sample_id, (route_len, input_len) in enumerate(zip(route_lens, input_lens)):
+        if route_len != input_len and route_len != input_len - 1:
+            raise RuntimeError(
+                f"R3 router replay sample {sample_id} has {route_len} route rows for {input_len} input tokens; "
+                "expected equal lengths or exactly one missing final route"
+            )
+    if not route_lens:
+        return torch.nested.as_nested_tensor([], layout=torch.jagged)  # verl's error for an empty batch
+    values = layers_topk_idx._values
+    device = values.device
+    lens = torch.tensor(route_lens, dtype=torch.int64, device=device)
+    in_lens = torch.tensor(input_lens, dtype=torch.int64, device=device)
+    seq, pos = _rows_of(lens)
+    src = route_off[:-1].to(device=device, dtype=torch.int64)[seq] + pos
+    dst = (torch.cumsum(in_lens, 0) - in_lens)[seq] + pos
+    out = values.new_zeros((sum(input_lens), *values.shape[1:]))
+    out[dst] = values[src]
+    offsets = torch.zeros(len(input_lens) + 1, dtype=torch.int64, device=device)
+    offsets[1:] = torch.cumsum(in_lens, 0)
+    return torch.nested.nested_tensor_from_jagged(out, offsets=offsets)
