@@ -151,7 +151,37 @@ def main():
         ("build_vlm_attn_mask_thd", lambda m: m.build_vlm_attn_mask_thd(nested, 0)),
         ("build_vlm_attn_mask_bshd", lambda m: m.build_vlm_attn_mask_bshd(nested, B, 0)),
     ]
-    ours_mod = types.SimpleNamespace(**{n: getattr(vi, n, None) or getattr(vb, n) for n, _ in jobs})
+    # verl's R3 / router padding-mask helpers (read from the installed verl's files; see verl_r3).
+    from verl_ops.integrations import verl_r3
+
+    r3_theirs = {}
+    try:
+        r3_theirs.update(verl_stubs.load_verl_functions("utils/dynamic_cp_scheduler.py", ["_local_padding_mask"]))
+        r3_theirs.update(verl_stubs.load_verl_functions(
+            "utils/megatron/router_replay_utils.py", ["build_r3_replay_mask", "align_r3_router_replay_data"]))
+    except LookupError as e:
+        print(f"# verl's R3 helpers not found: {e}", flush=True)
+    if r3_theirs:
+        for name, fn in r3_theirs.items():
+            setattr(util, name, fn)
+        response = (torch.arange(64, device=device)[None, :] < torch.randint(0, 64, (B, 1), device=device))
+        g = torch.Generator(device="cpu").manual_seed(3)
+        routes = torch.nested.as_nested_tensor(
+            [torch.randint(0, 128, (n - (i % 2), 48, 8), generator=g).to(device, torch.int16)
+             for i, n in enumerate(lengths)], layout=torch.jagged)
+        jobs += [
+            ("_local_padding_mask (cp=4 rank 1, tp=2)",
+             lambda m: m._local_padding_mask(lengths, cp_size=4, cp_rank=1, tp_size=2)),
+            ("build_r3_replay_mask", lambda m: m.build_r3_replay_mask(nested, response)),
+            ("align_r3_router_replay_data ([48, 8] int16 routes)",
+             lambda m: m.align_r3_router_replay_data(routes, nested)),
+        ]
+    ours_fns = {n: getattr(vi, n, None) or getattr(vb, n, None) for n in dir(vb) if not n.startswith("__")}
+    ours_fns.update({n: getattr(vi, n) for n in ("preprocess_packed_seqs", "postprocess_packed_seqs",
+                                                 "preprocess_thd_engine", "postprocess_thd_engine")})
+    ours_fns.update(_local_padding_mask=verl_r3.local_padding_mask, build_r3_replay_mask=verl_r3.build_r3_replay_mask,
+                    align_r3_router_replay_data=verl_r3.align_r3_router_replay_data)
+    ours_mod = types.SimpleNamespace(**ours_fns)
 
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     head = [

@@ -170,3 +170,12 @@ def test_install_patches_owner_modules(verl_fns, monkeypatch):
         vi.uninstall()
     assert dcs._local_padding_mask is verl_fns["_local_padding_mask"]
     assert user.align_r3_router_replay_data is verl_fns["align_r3_router_replay_data"]
+
+
+def test_align_r3_router_replay_data_with_holes_matches_verl(verl_fns):
+    """Routes as a jagged view with holes (offsets plus lengths) take the row-gather path."""
+    base = torch.arange(4 * 6 * 2, dtype=torch.int16).view(4, 6, 2)
+    routes = torch.nested.narrow(base, 1, torch.tensor([0, 2, 0, 1]), torch.tensor([5, 1, 6, 3]), layout=torch.jagged)
+    assert routes._lengths is not None
+    ids = nested([torch.arange(n) for n in (6, 2, 6, 3)])
+    same_nested(r3.align_r3_router_replay_data(routes, ids), verl_fns["align_r3_router_replay_data"](routes, ids))

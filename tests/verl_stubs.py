@@ -162,10 +162,15 @@ def load_verl_functions(relpath: str, names: list[str], namespace: dict | None =
     import ast
     import math
 
-    spec = importlib.util.find_spec("verl")
-    if spec is None or not spec.submodule_search_locations:
-        raise LookupError("verl not installed; pip install --no-deps verl==0.9.1")
-    path = os.path.join(next(iter(spec.submodule_search_locations)), relpath)
+    loaded = sys.modules.get("verl")
+    if loaded is not None and getattr(loaded, "__path__", None):  # verl (or load_verl_util's stand-in)
+        root = next(iter(loaded.__path__))
+    else:
+        spec = importlib.util.find_spec("verl")
+        if spec is None or not spec.submodule_search_locations:
+            raise LookupError("verl not installed; pip install --no-deps verl==0.9.1")
+        root = next(iter(spec.submodule_search_locations))
+    path = os.path.join(root, relpath)
     if not os.path.exists(path):
         raise LookupError(f"this verl has no {path}")
     with open(path) as f:

@@ -14,12 +14,16 @@
 
 Each returns exactly what verl 0.9.1 returns (values, dtypes, devices, nested offsets, exception
 types and messages) without verl's per-sequence Python loops: the mask is computed for all rows
-at once from the lengths, the alignment is one gather of the route rows into their new places.
+at once from the lengths, the alignment is one pack of the route rows into the input lengths' rows (the same kernel
+as :func:`verl_ops.preprocess_thd`).
 """
 
 from __future__ import annotations
 
 import torch
+
+from .._thd import preprocess_thd
+from ..layout import ThdLayout
 
 __all__ = ["align_r3_router_replay_data", "build_r3_replay_mask", "local_padding_mask"]
 
@@ -127,13 +131,18 @@ def align_r3_router_replay_data(layers_topk_idx: torch.Tensor, input_ids: torch.
         return torch.nested.as_nested_tensor([], layout=torch.jagged)  # verl's error for an empty batch
     values = layers_topk_idx._values
     device = values.device
-    lens = torch.tensor(route_lens, dtype=torch.int64, device=device)
-    in_lens = torch.tensor(input_lens, dtype=torch.int64, device=device)
-    seq, pos = _rows_of(lens)
-    src = route_off[:-1].to(device=device, dtype=torch.int64)[seq] + pos
-    dst = (torch.cumsum(in_lens, 0) - in_lens)[seq] + pos
-    out = values.new_zeros((sum(input_lens), *values.shape[1:]))
-    out[dst] = values[src]
-    offsets = torch.zeros(len(input_lens) + 1, dtype=torch.int64, device=device)
-    offsets[1:] = torch.cumsum(in_lens, 0)
-    return torch.nested.nested_tensor_from_jagged(out, offsets=offsets)
+    offsets = torch.zeros(len(input_lens) + 1, dtype=torch.int64)
+    offsets[1:] = torch.cumsum(torch.tensor(input_lens, dtype=torch.int64), 0)
+    if layers_topk_idx._lengths is None:
+        # A pack: the route rows (jagged by route_lens) into rows laid out by the input lengths,
+        # zero in the one padding row of a short sequence; one row-copy kernel.
+        layout = ThdLayout.from_padded_offsets(route_lens, offsets).to(device)
+        out = preprocess_thd(values, layout, 0, validate=False)[0]
+    else:  # routes with holes (offsets plus lengths): gather row by row
+        lens = torch.tensor(route_lens, dtype=torch.int64, device=device)
+        seq, pos = _rows_of(lens)
+        src = route_off[:-1].to(device=device, dtype=torch.int64)[seq] + pos
+        dst = offsets[:-1].to(device)[seq] + pos
+        out = values.new_zeros((sum(input_lens), *values.shape[1:]))
+        out[dst] = values[src]
+    return torch.nested.nested_tensor_from_jagged(out, offsets=offsets.to(device))
