@@ -20,26 +20,13 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import verl_stubs
-from test_verl_integration import real_mpu, real_verl  # noqa: F401  (fixtures)
+from test_verl_integration import make_seqs, nested, real_mpu, real_verl  # noqa: F401  (fixtures)
 
 from verl_ops.integrations import verl as vi
 from verl_ops.integrations import verl_bshd as vb
 
 CP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 3)]
 BATCHES = [[7, 1, 12, 5], [3, 2], [1], [16, 9, 0, 4]]
-FEATS = {"ids": ((), torch.int64), "hidden": ((3,), torch.float32), "topk": ((2, 2), torch.int16)}
-
-
-def nested(rows):
-    return torch.torch.nested.as_nested_tensor(rows, layout=torch.jagged)
-
-
-def make_rows(lengths, feat, seed=0):
-    shape, dtype = FEATS[feat]
-    g = torch.Generator().manual_seed(seed)
-    if dtype.is_floating_point:
-        return [torch.randn((n, *shape), generator=g, dtype=dtype) for n in lengths]
-    return [torch.randint(1, 1000, (n, *shape), generator=g).to(dtype) for n in lengths]
 
 
 def by_dtype_all_gather(by_kind):
@@ -70,7 +57,7 @@ class TestRealVerl:
     @pytest.mark.parametrize("roll", [False, True])
     def test_preprocess_bshd_engine(self, real_verl, real_mpu, feat, fp8, roll):
         for b, lengths in enumerate(BATCHES):
-            x = nested(make_rows(lengths, feat, seed=b))
+            x = nested(make_seqs(lengths, feat, seed=b))
             for tp in (1, 2):
                 for cp, rank in CP_RANKS:
                     real_mpu.tp, real_mpu.cp, real_mpu.cp_rank = tp, cp, rank
@@ -85,7 +72,7 @@ class TestRealVerl:
     @pytest.mark.parametrize("cp", [1, 2, 4])
     def test_postprocess_bshd_engine(self, real_verl, real_mpu, monkeypatch, cp):
         for b, lengths in enumerate(BATCHES):
-            x = nested(make_rows(lengths, "hidden", seed=b))
+            x = nested(make_seqs(lengths, "hidden", seed=b))
             real_mpu.tp, real_mpu.cp = 2, cp
             outs, masks = [], []
             for rank in range(cp):
@@ -121,7 +108,7 @@ class TestRealVerl:
         B, S = 4, 11
         g = torch.Generator().manual_seed(3)
         counts = [7, 2, 11, 5]
-        x = torch.stack([torch.cat(make_rows([S], feat, seed=i)) for i in range(B)])
+        x = torch.stack([torch.cat(make_seqs([S], feat, seed=i)) for i in range(B)])
         mask = torch.zeros(B, S, dtype=torch.bool)
         for i, n in enumerate(counts):
             mask[i, S - n :] = True  # left padding
@@ -193,7 +180,7 @@ class TestRealVerl:
 
     @pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2), (2, 4)])
     def test_build_vlm_attn_masks(self, real_verl, real_mpu, tp, cp):
-        x = nested(make_rows([5, 1, 8], "ids"))
+        x = nested(make_seqs([5, 1, 8], "ids"))
         real_mpu.tp, real_mpu.cp, real_mpu.cp_rank = tp, cp, 0
         for pad in (0, 7):
             for a, t in zip(vb.build_vlm_attn_mask_thd(x, pad), real_verl.build_vlm_attn_mask_thd(x, pad), strict=True):
@@ -241,7 +228,7 @@ def test_bshd_engine_keeps_dense_trailing_dims(mcore, device):
 
 
 def test_bshd_engine_roundtrip_cp(mcore, monkeypatch):
-    rows = make_rows([7, 1, 12, 5], "hidden")
+    rows = make_seqs([7, 1, 12, 5], "hidden")
     x = nested(rows)
     mcore.tp, mcore.cp = 1, 2
     outs, masks = [], []
