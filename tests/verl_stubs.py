@@ -119,6 +119,17 @@ def fake_all_gather(shards, rank: int, calls: list | None = None):
     return all_gather
 
 
+def _verl_root() -> str:
+    """The installed verl package's directory (or that of load_verl_util's stand-in package)."""
+    loaded = sys.modules.get("verl")
+    if loaded is not None and getattr(loaded, "__path__", None):
+        return next(iter(loaded.__path__))
+    spec = importlib.util.find_spec("verl") if loaded is None else None
+    if spec is None or not spec.submodule_search_locations:
+        raise LookupError("verl not installed; pip install --no-deps verl==0.9.1 megatron-core==0.16.1")
+    return next(iter(spec.submodule_search_locations))
+
+
 def load_verl_util(monkeypatch):
     """verl's ``verl/models/mcore/util.py`` (the installed verl), loaded on its own.
 
@@ -130,10 +141,7 @@ def load_verl_util(monkeypatch):
     util = sys.modules.get("verl.models.mcore.util")
     if util is not None:
         return util
-    spec = importlib.util.find_spec("verl") if "verl" not in sys.modules else None
-    if spec is None or not spec.submodule_search_locations:
-        raise LookupError("verl not installed; pip install --no-deps verl==0.9.1 megatron-core==0.16.1")
-    root = next(iter(spec.submodule_search_locations))
+    root = _verl_root()
     path = os.path.join(root, "models", "mcore", "util.py")
     if not os.path.exists(path):
         raise LookupError(f"this verl has no {path}")
@@ -162,15 +170,7 @@ def load_verl_functions(relpath: str, names: list[str], namespace: dict | None =
     import ast
     import math
 
-    loaded = sys.modules.get("verl")
-    if loaded is not None and getattr(loaded, "__path__", None):  # verl (or load_verl_util's stand-in)
-        root = next(iter(loaded.__path__))
-    else:
-        spec = importlib.util.find_spec("verl")
-        if spec is None or not spec.submodule_search_locations:
-            raise LookupError("verl not installed; pip install --no-deps verl==0.9.1")
-        root = next(iter(spec.submodule_search_locations))
-    path = os.path.join(root, relpath)
+    path = os.path.join(_verl_root(), relpath)
     if not os.path.exists(path):
         raise LookupError(f"this verl has no {path}")
     with open(path) as f:
