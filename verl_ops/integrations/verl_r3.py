@@ -28,9 +28,10 @@ from ..layout import ThdLayout
 __all__ = ["align_r3_router_replay_data", "build_r3_replay_mask", "local_padding_mask"]
 
 
-def _rows_of(lengths: torch.Tensor):
-    """(sequence index, position in the sequence) of every row of sequences of these lengths."""
-    n = int(lengths.sum())
+def _rows_of(lengths: torch.Tensor, n: int | None = None):
+    """(sequence index, position in the sequence) of every row of sequences of these lengths
+    (``n``: their sum, when known on the host; read from the device otherwise)."""
+    n = int(lengths.sum()) if n is None else n
     seq = torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths, output_size=n)
     starts = torch.cumsum(lengths, 0) - lengths
     return seq, torch.arange(n, device=lengths.device) - starts[seq]
@@ -99,11 +100,8 @@ def build_r3_replay_mask(input_ids: torch.Tensor, response_mask: torch.Tensor) -
     replay_lens = torch.where(response_lens > 0, total_lens - 1, torch.zeros_like(total_lens))
     if bool((replay_lens < 0).any()):  # an empty sequence with a response: verl's error
         raise RuntimeError("repeats can not be negative")
-    n = input_ids._values.shape[0] if hasattr(input_ids, "_values") else int(offsets[-1])
-    seq = torch.repeat_interleave(
-        torch.arange(total_lens.numel(), device=total_lens.device), total_lens, output_size=n
-    )
-    pos = torch.arange(n, device=total_lens.device) - offsets[:-1][seq]
+    n = input_ids._values.shape[0] if hasattr(input_ids, "_values") else None
+    seq, pos = _rows_of(total_lens, n)
     return torch.nested.nested_tensor_from_jagged(pos < replay_lens[seq], offsets=offsets)
 
 
