@@ -102,10 +102,9 @@ def main():
 
             t_raw = host_time(lambda: op(*raw_args), device, args.n)
             t_below = host_time(below, device, args.n)
-            mp.setattr(_thd, "call_op", through_autograd)
-            t_before = host_time(lambda: verl_ops.preprocess_thd(values, layout, 0, validate=False), device, args.n)
-            mp.undo()
-            cfg = verl_stubs.install_megatron_stub(mp)
+            with pytest.MonkeyPatch.context() as before:
+                before.setattr(_thd, "call_op", through_autograd)
+                t_before = host_time(lambda: verl_ops.preprocess_thd(values, layout, 0, validate=False), device, args.n)
             t_api = host_time(lambda: verl_ops.preprocess_thd(values, layout, 0, validate=False), device, args.n)
             t_nested = host_time(lambda: verl_ops.preprocess_thd(nested, layout, 0, validate=False), device, args.n)
             cfg.cp, cfg.cp_rank = cp, 0
