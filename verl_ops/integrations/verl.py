@@ -354,7 +354,8 @@ def preprocess_thd_engine(
     op = "preprocess_thd_engine"
     _check_cp_layout(op, cp_layout)
     check_jagged(op, "input_ids", input_ids)
-    if is_meta(input_ids.offsets()):
+    offsets = input_ids.offsets()
+    if is_meta(offsets):
         raise host_values_required(
             op, "input_ids", "offsets", "pass a nested tensor whose offsets live on the CPU or a GPU"
         )
@@ -371,7 +372,6 @@ def preprocess_thd_engine(
         cp_size = mpu.get_context_parallel_world_size()
         cp_rank = mpu.get_context_parallel_rank()
     extra.update(_cp_partition_args(cp_layout, cp_size))
-    offsets = input_ids.offsets()
     layout = ThdLayout.from_lengths(
         offsets.diff(),
         tp_size=tp_size,
