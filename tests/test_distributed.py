@@ -491,6 +491,57 @@ def check_dynamic_subgroup_parent(rank, world, backend):
     return True
 
 
+def check_registered_ops_compiled(rank, world, backend):
+    """The registered ops under torch.compile(fullgraph=True) on every rank, their process group
+    passed by its c10d name: dynamic_cp_split -> a model on the local rows -> dynamic_cp_merge
+    gives the model's output of the whole batch in sample order; the split's gradient reaches only
+    this rank's rows; merge_router_topk over a CP group of every rank gives every token's route."""
+    from router_reference import RouterCase
+
+    dist, device = _setup(rank, backend)
+    ops = torch.ops.verl_ops
+    groups = DynamicCPGroups.for_group()
+    name = groups.group.group_name
+
+    def step(values, lengths, max_per):
+        sel, local_lengths, ids, lcs = ops.dynamic_cp_split(values, lengths, max_per, name)
+        merged, merged_lengths = ops.dynamic_cp_merge(sel * 2 + 1, local_lengths, ids, lengths.shape[0], lcs, name)
+        return merged, merged_lengths, lcs
+
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    rng = random.Random(7)
+    for case_index, (case, max_per, _) in enumerate(DYNAMIC_CASES):
+        lengths = _case_lengths(case, world, random.Random(case_index))
+        values = torch.cat(_sample_values(lengths)).to(device) if lengths else torch.zeros(0, 2, device=device)
+        host = torch.tensor(lengths, dtype=torch.int64)
+        merged, merged_lengths, lcs = compiled(values, host, max_per)
+        assert lcs == _expected_local_cp(lengths, world, max_per), (case, lengths, lcs)
+        assert merged_lengths.tolist() == lengths
+        assert torch.equal(merged, values * 2 + 1), (rank, case)
+        # Eager, with a gradient: this rank's selected rows get it, the others get zeros.
+        x = values.clone().requires_grad_()
+        sel, local_lengths, ids, _ = ops.dynamic_cp_split(x, host, max_per, name)
+        sel.sum().backward()
+        rows = torch.zeros(values.shape[0], dtype=torch.bool)
+        starts = [0] + torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()
+        for i in ids.tolist():
+            rows[starts[i] : starts[i + 1]] = True
+        assert torch.equal(x.grad.cpu(), rows.unsqueeze(1).expand_as(x.grad).to(x.dtype))
+        assert local_lengths.tolist() == [lengths[i] for i in ids.tolist()]
+    # merge_router_topk, CP over every rank, zigzag.
+    route_case = RouterCase(rng, [5, 9, 1, 12, 0, 7], 3, 2, cp=world)
+    lay = route_case.layout.to(device)
+    rec = route_case.recorded(0, rank, "stacked").to(device)
+    merge = torch.compile(
+        lambda r, cu, cup: ops.merge_router_topk([r], cu, cup, lay.total_tokens, lay.local_rows, 1, world, 0, None,
+                                                 name),
+        fullgraph=True,
+    )
+    out = merge(rec, lay.cu_seqlens, lay.cu_seqlens_padded)
+    assert torch.equal(out.cpu(), route_case.routes.to(torch.int16)), rank
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # The tests.
 
@@ -533,6 +584,10 @@ def test_dynamic_errors_raise_on_every_rank(dist_run):
 
 def test_dynamic_groups_of_a_subgroup(dist_run):
     assert all(dist_run("check_dynamic_subgroup_parent"))
+
+
+def test_registered_ops_compile(dist_run):
+    assert all(dist_run("check_registered_ops_compiled"))
 
 
 def test_a_hang_fails_instead_of_blocking():

@@ -286,6 +286,8 @@ class DynamicCPGroups:
         inst = cls._cache.get(key)
         if inst is None:
             inst = cls._cache[key] = cls(group, all_group_ranks=all_group_ranks)
+            # The ops find it by the group's c10d name.
+            cls._cache.setdefault(inst.group.group_name, inst)
         return inst
 
     def _size(self, local_cp_size: int) -> int:
@@ -383,9 +385,11 @@ def _parse_batch(op: str, batch, lengths):
     return items, ref, single
 
 
-def _select(items: dict, lengths: list, ids: Sequence, single: bool):
+def _select(items: dict, lengths: list, ids: Sequence, single: bool, done: dict | None = None):
+    """The sequences ``ids`` of every item (``done``: items whose values are already selected)."""
     out = {}
     index_cache = {}
+    done = done or {}
     for name, it in items.items():
         t = it.tensor
         if it.kind == "dense":
@@ -396,7 +400,7 @@ def _select(items: dict, lengths: list, ids: Sequence, single: bool):
             index_cache[key] = jagged_indices(lengths, ids, device=t.device)
         src, cu, total = index_cache[key]
         values = t.values() if it.kind == "nested" else t
-        sel = _ops.jagged_gather(values.contiguous(), src, cu, total)
+        sel = done[name] if name in done else _ops.jagged_gather(values.contiguous(), src, cu, total)
         if it.kind == "nested":
             lens = [lengths[i] for i in ids]
             out[name] = torch.nested.nested_tensor_from_jagged(
@@ -408,6 +412,294 @@ def _select(items: dict, lengths: list, ids: Sequence, single: bool):
         else:
             out[name] = (sel, torch.tensor([lengths[i] for i in ids], dtype=torch.int64))
     return out[None] if single else out
+
+
+# --------------------------------------------------------------------------------------------
+# The registered ops: torch.ops.verl_ops.dynamic_cp_split / dynamic_cp_merge. Process groups
+# travel by their c10d group name (as in torch's functional collectives); the Python functions
+# further down are thin wrappers that turn nested tensors and dicts into these arguments.
+
+_lib = torch.library.Library("verl_ops", "FRAGMENT")
+_lib.define(
+    "dynamic_cp_split(Tensor values, Tensor lengths, int max_seqlen_per_dp_cp_rank, str? group_name=None, "
+    "int assignment=0, bool validate=True, bool rank_error=False) "
+    "-> (Tensor values, Tensor lengths, Tensor sample_ids, SymInt local_cp_size)"
+)
+_lib.define(
+    "dynamic_cp_merge(Tensor values, Tensor lengths, Tensor sample_ids, SymInt num_samples, SymInt local_cp_size, "
+    "str? group_name=None, bool validate=True, int key_hash=0, bool rank_error=False) "
+    "-> (Tensor values, Tensor lengths)"
+)
+
+
+class _CallerRejected(Exception):
+    """The wrapper found this rank's input bad before the op (``rank_error=True``): the op joins
+    the status exchange, so the other ranks raise too, and the wrapper raises its own error."""
+
+
+def _groups_of(op: str, group_name) -> DynamicCPGroups | None:
+    """The DynamicCPGroups of the DPxCP group named ``group_name`` (None: no process group)."""
+    if group_name is None:
+        return None
+    dist = _dist()
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"{op}: group_name={group_name!r} given but torch.distributed is not initialized")
+    inst = DynamicCPGroups._cache.get(group_name)
+    if inst is None:
+        try:
+            pg = dist.distributed_c10d._resolve_process_group(group_name)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{op}: group_name={group_name!r} names no process group") from e
+        inst = DynamicCPGroups.for_group(None if pg == dist.group.WORLD else pg)
+    return inst
+
+
+def group_name_of(groups: DynamicCPGroups | None):
+    """The c10d group name the ops take for ``groups`` (None without a group of more than one rank)."""
+    if groups is None or groups.dp_size == 1:
+        return None
+    return groups.group.group_name
+
+
+def _exchange(op: str, groups: DynamicCPGroups, words: list, error, what: str) -> torch.Tensor:
+    """All-gather one fixed-size int64 row per rank (word 0: this rank's status) over the DPxCP
+    group; raise on every rank when any rank failed. Returns the rows on the host."""
+    rows = _all_gather_words([1 if error is not None else 0] + words, groups.group, groups.device, groups.dp_size)
+    _raise_collected(op, rows[:, 0], None if isinstance(error, _CallerRejected) else error, what)
+    return rows
+
+
+def _split_impl(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, assignment=0, validate=True,
+                rank_error=False):
+    op = "dynamic_cp_split"
+    groups = _groups_of(op, group_name)
+    dp_size = groups.dp_size if groups is not None else 1
+    dp_rank = groups.dp_rank if groups is not None else 0
+    error = plan = None
+    try:
+        if rank_error:
+            raise _CallerRejected()
+        if not isinstance(assignment, int) or not 0 <= assignment < len(ASSIGNMENTS):
+            raise ValueError(f"{op}: assignment must be 0 (contiguous) or 1 (balanced), got {assignment!r}")
+        ls = as_lengths(op, "lengths", lengths)
+        if values.dim() < 1 or values.shape[0] != sum(ls):
+            raise ValueError(f"{op}: values must be [sum(lengths)={sum(ls)}, *F], got {tuple(values.shape)}")
+        plan = _plan(op, ls, dp_size, max_seqlen_per_dp_cp_rank, dp_rank=dp_rank, assignment=ASSIGNMENTS[assignment])
+    except Exception as e:  # every rank still joins the exchange below; re-raised after it
+        error = e
+    if groups is not None and dp_size > 1 and validate:
+        ls = plan.lengths if plan is not None else ()
+        w = [(i + 1) * n for i, n in enumerate(ls)]
+        words = [
+            len(ls),
+            sum(ls),
+            sum(w) % (1 << 61),
+            sum((i + 1) * x for i, x in enumerate(w)) % (1 << 61),
+            int(max_seqlen_per_dp_cp_rank),
+            int(assignment) if isinstance(assignment, int) else -1,
+            plan.fingerprint() if plan is not None else 0,
+        ]
+        rows = _exchange(op, groups, words, error, "input")
+        if not bool((rows == rows[0]).all()):
+            raise RuntimeError(
+                f"{op}: the ranks of the DPxCP group hold different micro-batches or settings "
+                f"(sequences, tokens, length hashes, max_seqlen_per_dp_cp_rank, assignment, plan per rank: "
+                f"{rows[:, 1:].tolist()})"
+            )
+    if error is not None:
+        if isinstance(error, _CallerRejected):
+            raise RuntimeError(f"{op}: this rank's input was rejected before the op")
+        raise error
+    ids = plan.sample_ids
+    src, cu, total = jagged_indices(plan.lengths, ids, device=values.device)
+    selected = _ops.jagged_gather(values.contiguous(), src, cu, total)
+    where = lengths.device
+    local_lengths = torch.tensor([plan.lengths[i] for i in ids], dtype=torch.int64).to(where)
+    sample_ids = torch.tensor(ids, dtype=torch.int64).to(where)
+    return selected, local_lengths, sample_ids, plan.local_cp_size
+
+
+def _merge_header(values, lengths, sample_ids, num_samples, local_cp_size, key_hash):
+    """This rank's header row after the status word: [n, rows, dtype, feature shape, row bytes,
+    key hash, B, local_cp_size] + lengths padded to B + sample ids padded (-1) to B, on the lengths'
+    device; built with tensor ops, so device lengths are not read here."""
+    n = lengths.shape[0]
+    feat = tuple(values.shape[1:])
+    row_bytes = math.prod(feat) * values.element_size()
+    head = torch.tensor(
+        [n, values.shape[0], _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash, num_samples, local_cp_size],
+        dtype=torch.int64,
+    )
+    pad = num_samples - n
+    lens = torch.nn.functional.pad(lengths.to(torch.int64), (0, pad))
+    ids = torch.nn.functional.pad(sample_ids.to(torch.int64), (0, pad), value=-1)
+    return head, lens, ids
+
+
+_MERGE_META = 9  # status + the 8 words of _merge_header
+
+
+def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_name=None, validate=True,
+                key_hash=0, rank_error=False):
+    op = "dynamic_cp_merge"
+    groups = _groups_of(op, group_name)
+    G = 1 if groups is None else groups.dp_size // groups._size(local_cp_size)
+    error = row = None
+    B = num_samples
+    try:
+        if rank_error:
+            raise _CallerRejected()
+        if isinstance(B, bool) or not isinstance(B, int) or not 0 <= B <= INT32_MAX:
+            raise ValueError(f"{op}: num_samples must be an int >= 0, got {B!r}")
+        for name, t in (("lengths", lengths), ("sample_ids", sample_ids)):
+            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+                raise ValueError(f"{op}: {name} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
+        if lengths.shape[0] != sample_ids.shape[0] or lengths.shape[0] > B:
+            raise ValueError(
+                f"{op}: lengths ({lengths.shape[0]}) and sample_ids ({sample_ids.shape[0]}) must have one entry "
+                f"per output sequence, at most num_samples={B}"
+            )
+        if values.dim() < 1:
+            raise ValueError(f"{op}: values must be [rows, *F], got a 0-d tensor")
+        row = _merge_header(values, lengths, sample_ids, B, local_cp_size, key_hash)
+    except Exception as e:  # every rank still joins the exchange below; re-raised after it
+        error = e
+    device = groups.device if groups is not None and G > 1 else values.device
+    if row is not None:
+        local = torch.cat([torch.zeros(1, dtype=torch.int64), row[0]]).to(device)
+        local = torch.cat([local, row[1].to(device), row[2].to(device)])
+    else:
+        local = torch.zeros(_MERGE_META + 2 * B, dtype=torch.int64, device=device)
+        local[0] = 1
+    if G > 1:
+        dist = _dist()
+        mg = groups.merge_group(local_cp_size)
+        gathered_hdr = torch.empty(G * local.numel(), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(gathered_hdr, local, group=mg)
+        hdr_dev = gathered_hdr.view(G, -1)
+    else:
+        hdr_dev = local.view(1, -1)
+    rows = hdr_dev.cpu()  # the one host read
+    _raise_collected(op, rows[:, 0], None if isinstance(error, _CallerRejected) else error, "outputs")
+    if error is not None:  # only this rank failed and G == 1
+        raise error
+    if not bool((rows[:, 3:_MERGE_META] == rows[0, 3:_MERGE_META]).all()):
+        raise RuntimeError(
+            f"{op}: the groups' outputs disagree (dtype, feature shape, row bytes, keys, num_samples, "
+            f"local_cp_size hashes per group: {rows[:, 3:_MERGE_META].tolist()})"
+        )
+    counts, totals = rows[:, 1], rows[:, 2]
+    lens = rows[:, _MERGE_META : _MERGE_META + B]
+    ids = rows[:, _MERGE_META + B :]
+    k = torch.arange(B)
+    valid = k.unsqueeze(0) < counts.unsqueeze(1)
+    if validate:
+        seq_sums = (lens * valid).sum(1)
+        bad = (seq_sums != totals) | (lens < 0).any(1)
+        if bool(bad.any()):
+            g = int(bad.nonzero()[0])
+            raise ValueError(
+                f"{op}: group {g}'s outputs have {int(totals[g])} rows but their lengths "
+                f"{lens[g, : int(counts[g])].tolist()} (each >= 0) sum to {int(seq_sums[g])}"
+            )
+        got = torch.sort(ids[valid]).values
+        if got.numel() != B or not torch.equal(got, torch.arange(B)):
+            raise RuntimeError(
+                f"{op}: the groups' sample ids do not cover the {B} samples once each (per group: "
+                f"{[ids[g, : int(counts[g])].tolist() for g in range(G)]}); the groups disagree on the plan"
+            )
+    feat = tuple(values.shape[1:])
+    row_bytes = int(rows[0, 5])
+    max_total = int(totals.max()) if G else 0
+    # Reorder index, vectorised over the host header: sample ids[g, k] starts at row
+    # g * max_total + (rows before k in group g) of the gathered values.
+    starts = torch.arange(G).unsqueeze(1) * max_total + torch.cumsum(lens, 1) - lens
+    slot = torch.where(valid, ids, torch.full_like(ids, B))  # invalid entries land in slot B
+    merged_lengths = torch.zeros(B + 1, dtype=torch.int64).scatter_(0, slot.flatten(), (lens * valid).flatten())[:B]
+    src = torch.zeros(B + 1, dtype=torch.int64).scatter_(0, slot.flatten(), starts.flatten())[:B]
+    total = int(merged_lengths.sum())
+    if total > INT32_MAX:
+        raise ValueError(f"{op}: {total} merged rows do not fit the int32 offsets of jagged_gather")
+    if row_bytes == 0 or total == 0:
+        return values.new_zeros((total, *feat)), merged_lengths
+    local_bytes = values.detach().contiguous().view(values.shape[0], math.prod(feat)).view(torch.uint8)
+    if G > 1:
+        local_bytes = local_bytes.to(device)
+        if local_bytes.shape[0] == max_total:
+            send = local_bytes
+        else:
+            send = torch.empty((max_total, row_bytes), dtype=torch.uint8, device=device)
+            send[: local_bytes.shape[0]] = local_bytes
+        gathered = torch.empty((G * max_total, row_bytes), dtype=torch.uint8, device=device)
+        _dist().all_gather_into_tensor(gathered, send, group=groups.merge_group(local_cp_size))
+    else:
+        gathered = local_bytes
+    cu = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(merged_lengths, 0, out=cu[1:])
+    both = torch.cat([src, cu]).to(gathered.device)
+    merged = _ops.jagged_gather(gathered, both[:B], both[B:].to(torch.int32), total)
+    return merged.view(values.dtype).view(total, *feat).to(values.device), merged_lengths
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("dynamic_cp_split", _split_impl, _key)
+    _lib.impl("dynamic_cp_merge", _merge_impl, _key)
+
+
+def _concrete(t: torch.Tensor) -> bool:
+    """A tensor with readable values (not fake, not meta)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return not isinstance(t, FakeTensor) and t.device.type != "meta"
+
+
+@torch.library.register_fake("verl_ops::dynamic_cp_split")
+def _split_fake(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, assignment=0, validate=True,
+                rank_error=False):
+    op = "dynamic_cp_split"
+    if _concrete(lengths):
+        # Host lengths (e.g. meta values for shape inference): the plan, hence every size, is known.
+        groups = _groups_of(op, group_name)
+        dp_size = groups.dp_size if groups is not None else 1
+        dp_rank = groups.dp_rank if groups is not None else 0
+        plan = _plan(op, as_lengths(op, "lengths", lengths), dp_size, max_seqlen_per_dp_cp_rank, dp_rank=dp_rank,
+                     assignment=ASSIGNMENTS[assignment])
+        n, rows, cp = len(plan.sample_ids), sum(plan.local_lengths), plan.local_cp_size
+    else:
+        ctx = torch.library.get_ctx()
+        n, rows, cp = ctx.new_dynamic_size(), ctx.new_dynamic_size(), ctx.new_dynamic_size(min=1)
+    return (values.new_empty((rows, *values.shape[1:])), lengths.new_empty((n,), dtype=torch.int64),
+            lengths.new_empty((n,), dtype=torch.int64), cp)
+
+
+@torch.library.register_fake("verl_ops::dynamic_cp_merge")
+def _merge_fake(values, lengths, sample_ids, num_samples, local_cp_size, group_name=None, validate=True,
+                key_hash=0, rank_error=False):
+    rows = torch.library.get_ctx().new_dynamic_size()
+    return (values.new_empty((rows, *values.shape[1:])),
+            torch.empty((num_samples,), dtype=torch.int64, device="meta" if values.device.type == "meta" else "cpu"))
+
+
+def _split_setup_context(ctx, inputs, output):
+    values, lengths = inputs[0], inputs[1]
+    _, local_lengths, sample_ids, _ = output
+    ctx.save_for_backward(lengths, local_lengths, sample_ids)
+    ctx.total_in = values.shape[0]
+
+
+def _split_backward(ctx, grad, *_):
+    # The selected sequences' rows go back to where they came from; the rest get zeros.
+    lengths, local_lengths, sample_ids = ctx.saved_tensors
+    dev = grad.device
+    lengths = lengths.to(dev, torch.int64)
+    src = (torch.cumsum(lengths, 0) - lengths)[sample_ids.to(dev)]
+    cu = torch.zeros(local_lengths.shape[0] + 1, dtype=torch.int32, device=dev)
+    cu[1:] = torch.cumsum(local_lengths.to(dev), 0)
+    out = _ops.jagged_scatter(grad.contiguous(), src, cu, ctx.total_in)
+    return out, None, None, None, None, None, None
+
+
+torch.library.register_autograd("verl_ops::dynamic_cp_split", _split_backward, setup_context=_split_setup_context)
 
 
 # --------------------------------------------------------------------------------------------
@@ -432,9 +724,6 @@ class DynamicCPSplit(NamedTuple):
     groups: Any
 
 
-_HEADER = 8  # status, count, 6 fingerprint / detail words
-
-
 def _all_gather_words(words: list, group, device, world: int) -> torch.Tensor:
     """All-gather a fixed-length list of int64 words; returns host [world, len(words)]."""
     dist = _dist()
@@ -455,6 +744,17 @@ def _raise_collected(op: str, status: torch.Tensor, local_error: BaseException |
     )
 
 
+def _reject_everywhere(call, error: BaseException, collective: bool):
+    """Raise ``error`` on this rank after joining the op's status exchange with a failed status (so
+    the other ranks raise too instead of waiting)."""
+    if collective:
+        try:
+            call()
+        except RuntimeError:
+            pass
+    raise error
+
+
 def dynamic_cp_split(
     batch,
     max_seqlen_per_dp_cp_rank: int,
@@ -465,7 +765,8 @@ def dynamic_cp_split(
     assignment: str = "contiguous",
     validate: bool = True,
 ) -> DynamicCPSplit:
-    """This rank's part of a dynamic-CP micro-batch.
+    """This rank's part of a dynamic-CP micro-batch (``torch.ops.verl_ops.dynamic_cp_split`` on the
+    batch's first jagged tensor; the other tensors of a dict follow the same selection).
 
     Every rank of the DPxCP group calls this with the same micro-batch.
 
@@ -494,45 +795,31 @@ def dynamic_cp_split(
         groups = DynamicCPGroups.for_group(group)
     dp_size = groups.dp_size if groups is not None else 1
     dp_rank = groups.dp_rank if groups is not None else 0
-    error, plan, parsed = None, None, None
+    name = group_name_of(groups)
+    collective = name is not None and bool(validate)
+    empty = torch.zeros(0, dtype=torch.int64)
     try:
-        parsed = _parse_batch(op, batch, lengths)
-        plan = _plan(
-            op, parsed[1], dp_size, max_seqlen_per_dp_cp_rank, dp_rank=dp_rank, assignment=assignment
+        if not isinstance(assignment, str) or assignment not in ASSIGNMENTS:
+            raise ValueError(f"{op}: assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
+        items, lens, single = _parse_batch(op, batch, lengths)
+    except Exception as e:  # noqa: BLE001
+        _reject_everywhere(
+            lambda: _ops.dynamic_cp_split(empty, empty, 1, name, 0, True, True), e, collective
         )
-    except Exception as e:  # every rank still joins the exchange below; re-raised after it
-        error = e
-    if groups is not None and dp_size > 1 and validate:
-        ls = plan.lengths if plan is not None else ()
-        w = [(i + 1) * n for i, n in enumerate(ls)]
-        words = [
-            1 if error is not None else 0,
-            len(ls),
-            sum(ls),
-            sum(w) % (1 << 61),
-            sum((i + 1) * x for i, x in enumerate(w)) % (1 << 61),
-            int(max_seqlen_per_dp_cp_rank) if isinstance(max_seqlen_per_dp_cp_rank, int) else -1,
-            _crc(assignment),
-            plan.fingerprint() if plan is not None else 0,
-        ]
-        rows = _all_gather_words(words, groups.group, groups.device, dp_size)
-        _raise_collected(op, rows[:, 0], error, "input")
-        if not bool((rows == rows[0]).all()):
-            raise RuntimeError(
-                f"{op}: the ranks of the DPxCP group hold different micro-batches or settings "
-                f"(sequences, tokens, length hashes, max_seqlen_per_dp_cp_rank, assignment, plan per rank: "
-                f"{rows[:, 1:].tolist()})"
-            )
-    if error is not None:
-        raise error
-    items, lens, single = parsed
+    first = next((n for n, it in items.items() if it.kind != "dense"), None)
+    ref = items[first]
+    values = ref.tensor.values() if ref.kind == "nested" else ref.tensor
+    host_lengths = torch.tensor(lens, dtype=torch.int64)
+    sel, local_lengths, sample_ids, local_cp_size = _ops.dynamic_cp_split(
+        values, host_lengths, max_seqlen_per_dp_cp_rank, name, ASSIGNMENTS.index(assignment), bool(validate)
+    )
+    plan = _plan(op, lens, dp_size, max_seqlen_per_dp_cp_rank, dp_rank=dp_rank, assignment=assignment)
     if plan.num_groups == 1:
         # One group holds the whole batch: nothing to select, nothing to copy.
-        local = {n: (it.tensor, torch.tensor(lens, dtype=torch.int64)) if it.kind == "values" else it.tensor
-                 for n, it in items.items()}
+        local = {n: (it.tensor, host_lengths) if it.kind == "values" else it.tensor for n, it in items.items()}
         local = local[None] if single else local
     else:
-        local = _select(items, list(plan.lengths), plan.sample_ids, single)
+        local = _select(items, list(plan.lengths), plan.sample_ids, single, done={first: sel})
     cp_group = groups.cp_group(plan.local_cp_size) if groups is not None else None
     return DynamicCPSplit(local, plan.local_cp_size, cp_group, plan, groups)
 
@@ -542,26 +829,27 @@ def dynamic_cp_split(
 
 
 def _output_parts(op: str, out, lengths):
-    """(values [rows, *F], lengths list, nested?) of one output, or raise."""
+    """(values [rows, *F], lengths: a 1-D int64 tensor or None on the meta device, nested?) of one
+    output, or raise. Nested lengths stay where the offsets are (no host read)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{op}: outputs must be tensors (nested, or values with lengths=), got {type(out)}")
     if out.is_nested:
         if lengths is not None:
             raise ValueError(f"{op}: lengths= is for a values tensor, not for a nested tensor")
-        ls = _lengths_of_nested(op, "outputs", out)
-        if ls is None:  # meta: the count is known, the lengths are not (shape inference only)
-            ls = [None] * out.size(0)
-        return out.values(), ls, True
+        check_jagged(op, "outputs", out)
+        offsets = out.offsets()
+        return out.values(), None if is_meta(offsets) else offsets.diff(), True
     if lengths is None:
         raise ValueError(f"{op}: a values tensor [rows, *F] needs lengths=")
     ls = as_lengths(op, "lengths", lengths)
     if out.dim() < 1 or out.shape[0] != sum(ls):
         raise ValueError(f"{op}: values must be [sum(lengths)={sum(ls)}, *F], got {tuple(out.shape)}")
-    return out, ls, False
+    return out, torch.tensor(ls, dtype=torch.int64), False
 
 
 def dynamic_cp_merge(outputs, split: DynamicCPSplit, *, lengths=None):
-    """Every group's outputs, in the original sample order, on every rank.
+    """Every group's outputs, in the original sample order, on every rank
+    (``torch.ops.verl_ops.dynamic_cp_merge`` per output tensor).
 
     Args:
         outputs: this rank's per-sequence outputs for ``split.plan.sample_ids`` (e.g. log-probs
@@ -576,9 +864,10 @@ def dynamic_cp_merge(outputs, split: DynamicCPSplit, *, lengths=None):
         ``(values, lengths int64)``, or a dict. Forward-only: the result carries no gradient.
 
     Collectives (over the ranks sharing this CP rank; none when there is one group): one
-    all-gather of a fixed-size int64 header with the lengths, then one all-gather of the values
-    as bytes. A rank with a wrong number of sequences, or ranks disagreeing on dtype, feature shape,
-    plan or keys, make every rank raise.
+    all-gather of a fixed-size int64 header with the lengths and sample ids (the one host read),
+    then one all-gather of the values as bytes; the reorder index is computed from the header with
+    tensor ops. A rank with a wrong number of sequences, or ranks disagreeing on dtype, feature
+    shape, plan or keys, make every rank raise.
     """
     op = "dynamic_cp_merge"
     if isinstance(outputs, Mapping):
@@ -596,102 +885,43 @@ def dynamic_cp_merge(outputs, split: DynamicCPSplit, *, lengths=None):
 def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
     plan, groups = split.plan, split.groups
     G = plan.num_groups
-    error, values, ls, nested, local = None, None, None, True, None
+    name = group_name_of(groups) if G > 1 else None
+    B = len(plan.lengths)
+    empty = torch.zeros(0, dtype=torch.int64)
     try:
         values, ls, nested = _output_parts(op, out, lengths)
-        if len(ls) != len(plan.sample_ids):
+        n = out.size(0) if nested else ls.numel()
+        if n != len(plan.sample_ids):
             raise ValueError(
-                f"{op}: this rank's group holds {len(plan.sample_ids)} sequences but the outputs have "
-                f"{len(ls)}"
+                f"{op}: this rank's group holds {len(plan.sample_ids)} sequences but the outputs have {n}"
             )
-        # Everything that can fail on this rank alone happens before the first collective.
-        # Bytes, so every dtype travels the same way (gloo and NCCL lack some dtypes, e.g. bool).
-        rows_2d = values.detach().contiguous().view(values.shape[0], math.prod(values.shape[1:]))
-        local = rows_2d.view(torch.uint8)
+        if not nested and ls.numel() and bool((ls < 0).any()):
+            i = int((ls < 0).nonzero()[0])
+            raise ValueError(f"{op}: lengths must be >= 0, got lengths[{i}]={int(ls[i])}")
+        if G > 1 and is_meta(values):
+            raise ValueError(f"{op}: outputs on the meta device cannot be gathered across {G} CP groups")
     except (ValueError, TypeError, RuntimeError) as e:
-        error = e
-    if G == 1 or groups is None:
-        if error is not None:
-            raise error
-        if nested and is_meta(out.offsets()):
-            return out.detach()  # shape inference: the same sequences, nothing to reorder
-        return _finish(values.detach(), ls, nested)
-    if error is None and is_meta(values):
-        error = ValueError(f"{op}: outputs on the meta device cannot be gathered across {G} CP groups")
-
-    mg = groups.merge_group(plan.local_cp_size)
-    device = groups.device
-    maxn = max(len(g) for g in plan.groups)
-    if error is None:
-        feat = tuple(values.shape[1:])
-        row_bytes = math.prod(feat) * values.element_size()
-        header = [0, len(ls), _crc(str(values.dtype)), _crc(feat), row_bytes, plan.fingerprint(), key_hash]
-        header.append(sum(ls))
-        header += ls + [0] * (maxn - len(ls))
-    else:
-        header = [1] + [0] * (_HEADER - 1 + maxn)
-    rows = _all_gather_words(header, mg, device, G)
-    _raise_collected(op, rows[:, 0], error, "outputs")
-    if not bool((rows[:, 2:7] == rows[0, 2:7]).all()):
-        raise RuntimeError(
-            f"{op}: the groups' outputs disagree (dtype, feature shape, row bytes, plan, keys hashes per "
-            "group: "
-            f"{rows[:, 2:7].tolist()})"
+        _reject_everywhere(
+            lambda: _ops.dynamic_cp_merge(empty, empty, empty, B, plan.local_cp_size, name, True, key_hash, True),
+            e,
+            name is not None,
         )
-    counts = rows[:, 1].tolist()
-    if counts != [len(g) for g in plan.groups]:
-        expected = [len(g) for g in plan.groups]
-        raise RuntimeError(f"{op}: sequences per group {counts} do not match the plan {expected}")
-    totals = rows[:, _HEADER - 1].tolist()
-    max_total = max(totals)
-    feat = tuple(values.shape[1:])
-    if row_bytes == 0 or max_total == 0:
-        merged_lengths = [0] * len(plan.lengths)
-        for g, ids in enumerate(plan.groups):
-            for k, i in enumerate(ids):
-                merged_lengths[i] = int(rows[g, _HEADER + k])
-        empty = values.new_zeros((sum(merged_lengths), *feat))
-        return _finish(empty, merged_lengths, nested)
-
-    dist = _dist()
-    local = local.to(device)
-    if local.shape[0] == max_total:
-        send = local
-    else:
-        send = torch.empty((max_total, row_bytes), dtype=torch.uint8, device=device)
-        send[: local.shape[0]] = local
-    gathered = torch.empty((G * max_total, row_bytes), dtype=torch.uint8, device=device)
-    dist.all_gather_into_tensor(gathered, send, group=mg)
-
-    # Sample i of group g, k-th in that group, starts at g * max_total + (offset of k in group g).
-    B = len(plan.lengths)
-    src, merged_lengths = [0] * B, [0] * B
-    for g, ids in enumerate(plan.groups):
-        pos = g * max_total
-        for k, i in enumerate(ids):
-            n = int(rows[g, _HEADER + k])
-            src[i], merged_lengths[i] = pos, n
-            pos += n
-    cu = [0]
-    for n in merged_lengths:
-        cu.append(cu[-1] + n)
-    if cu[-1] > 2**31 - 1:
-        raise ValueError(f"{op}: {cu[-1]} merged rows do not fit the int32 offsets of jagged_gather")
-    both = torch.tensor(src + cu, dtype=torch.int64).to(device)
-    merged = _ops.jagged_gather(gathered, both[:B], both[B:].to(torch.int32), cu[-1])
-    merged = merged.view(values.dtype).view(cu[-1], *feat).to(values.device)
-    return _finish(merged, merged_lengths, nested)
-
-
-def _finish(values: torch.Tensor, lengths: list, nested: bool):
+    if G == 1:
+        # One group: the outputs are already the whole batch in sample order.
+        if nested:
+            return out.detach()
+        return values.detach(), ls
+    ids = torch.tensor(plan.sample_ids, dtype=torch.int64)
+    merged, merged_lengths = _ops.dynamic_cp_merge(
+        values.detach(), ls, ids.to(ls.device), B, plan.local_cp_size, name, True, key_hash
+    )
     if not nested:
-        return values, torch.tensor(lengths, dtype=torch.int64)
-    offsets = torch.zeros(len(lengths) + 1, dtype=torch.int64)
-    if lengths:
-        offsets[1:] = torch.tensor(lengths, dtype=torch.int64).cumsum(0)
+        return merged, merged_lengths
+    offsets = torch.zeros(B + 1, dtype=torch.int64)
+    torch.cumsum(merged_lengths, 0, out=offsets[1:])
     return torch.nested.nested_tensor_from_jagged(
-        values,
-        offsets=offsets.to(values.device),
-        min_seqlen=min(lengths, default=0),
-        max_seqlen=max(lengths, default=0),
+        merged,
+        offsets=offsets.to(merged.device),
+        min_seqlen=int(merged_lengths.min()) if B else 0,
+        max_seqlen=int(merged_lengths.max()) if B else 0,
     )

@@ -153,20 +153,59 @@ def _exchange_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree(op: str, layout: ThdLayout, groups, overflow, error) -> None:
+# --------------------------------------------------------------------------------------------
+# torch.ops.verl_ops.merge_router_topk: the layout travels as its offset tensors and sizes, the
+# process groups by their c10d group names (as in torch's functional collectives).
+
+_lib = torch.library.Library("verl_ops", "FRAGMENT")
+_lib.define(
+    "merge_router_topk(Tensor[] indices, Tensor cu_seqlens, Tensor cu_seqlens_padded, SymInt total_tokens, "
+    "SymInt local_rows, int tp_size=1, int cp_size=1, int cp_layout=0, str? tp_group_name=None, "
+    "str? cp_group_name=None, Tensor? attention_mask=None, bool validate=True, bool rank_error=False) -> Tensor"
+)
+
+
+class _CallerRejected(Exception):
+    """The wrapper found this rank's input bad before the op (``rank_error=True``)."""
+
+
+def _group_of(op: str, name: str, group_name, size: int):
+    if size == 1:
+        return None
+    if group_name is None:
+        raise ValueError(f"{op}: {name}_size={size} needs {name}_group (the process group to gather over)")
+    import torch.distributed as dist
+
+    try:
+        group = dist.distributed_c10d._resolve_process_group(group_name)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{op}: {name}_group_name={group_name!r} names no process group") from e
+    world = dist.get_world_size(group)
+    if world != size:
+        raise ValueError(f"{op}: {name}_group has {world} ranks but layout.{name}_size is {size}")
+    return group
+
+
+def _fingerprint(cu, cu_padded, total_tokens, local_rows, tp, cp, cp_layout, device) -> torch.Tensor:
+    """Small int64 summary of a layout, computed where the offsets are (no host read); equal on
+    every rank iff the layouts agree (up to a vanishingly unlikely hash collision)."""
+    w = torch.arange(1, cu.numel() + 1, dtype=torch.int64, device=cu.device)
+    sums = torch.stack([(cu.to(torch.int64) * w).sum(), (cu_padded.to(torch.int64) * w * w).sum()])
+    sizes = torch.tensor([cu.numel(), int(total_tokens), int(local_rows), tp, cp, cp_layout], dtype=torch.int64)
+    return torch.cat([sizes.to(device), sums.to(device)])
+
+
+def _agree(op: str, fp: torch.Tensor, groups, overflow, error) -> None:
     """One fixed-size all-gather per group, issued by every rank whatever its data; then every rank
     raises if any rank of the TP x CP grid failed its input checks, holds a different layout, or
     recorded an id outside the int16 range. A rank-local error therefore never leaves the other
     ranks waiting in the gathers that follow."""
     import torch.distributed as dist
 
-    from ._thd import _layout_fingerprint
-
-    device = _exchange_device(groups[0])
-    fp = torch.tensor(_layout_fingerprint(layout), dtype=torch.int64)
+    device = fp.device
     n = fp.numel()
-    flags = torch.tensor([1 if error is not None else 0, 0, 0], dtype=torch.int64)
-    payload = torch.cat([fp, flags]).to(device)
+    flags = torch.tensor([1 if error is not None else 0, 0, 0], dtype=torch.int64, device=device)
+    payload = torch.cat([fp, flags])
     if overflow is not None:
         payload[n + 2] = overflow.amax().to(device=device, dtype=torch.int64)
     for group in groups:
@@ -180,10 +219,11 @@ def _agree(op: str, layout: ThdLayout, groups, overflow, error) -> None:
         # The next group sees this group's verdict: over TP then CP every rank learns about all.
         payload = torch.cat([payload[:n], verdict])
     failed, mismatch, over = payload[n:].tolist()  # the one host read of the checks
-    if error is not None:
+    if error is not None and not isinstance(error, _CallerRejected):
         raise error
     if failed:
-        raise RuntimeError(f"{op}: another rank's input failed its checks (see that rank's error)")
+        what = "this rank's" if error is not None else "another rank's"
+        raise RuntimeError(f"{op}: {what} input failed its checks (see that rank's error)")
     if mismatch:
         raise RuntimeError(
             f"{op}: TP/CP ranks disagree on the THD layout (every rank must pass the same layout)"
@@ -193,6 +233,106 @@ def _agree(op: str, layout: ThdLayout, groups, overflow, error) -> None:
             f"{op}: indices hold values outside the int16 range [-32768, 32767] on this or another rank; "
             "router replay stores expert ids as int16"
         )
+
+
+def _check_mask_counts(op: str, mask: torch.Tensor, cu: torch.Tensor) -> None:
+    """Every row of attention_mask holds as many valid tokens as the layout's sequence (one read)."""
+    counts = mask.sum(dim=1)
+    expected = (cu[1:] - cu[:-1]).to(device=counts.device, dtype=counts.dtype)
+    if counts.shape != expected.shape:
+        raise ValueError(f"{op}: attention_mask must be [B={expected.numel()}, S], got shape {tuple(mask.shape)}")
+    if not bool(torch.equal(counts, expected)):
+        bad = int((counts != expected).nonzero()[0])
+        raise ValueError(
+            f"{op}: attention_mask row {bad} has {int(counts[bad])} valid tokens but the layout "
+            f"says {int(expected[bad])}"
+        )
+
+
+def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_size=1, cp_layout=0,
+                tp_group_name=None, cp_group_name=None, attention_mask=None, validate=True, rank_error=False):
+    op = "merge_router_topk"
+    tp, cp = tp_size, cp_size
+    tp_group = _group_of(op, "tp", tp_group_name, tp)
+    cp_group = _group_of(op, "cp", cp_group_name, cp)
+    multi = tp > 1 or cp > 1
+    exchange = multi and validate
+    if exchange and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        exchange = False
+    error = overflow = None
+    try:
+        if rank_error:
+            raise _CallerRejected()
+        stacked = len(indices) == 1 and indices[0].dim() == 3
+        layer_list, num_layers, rows, topk, device = _layer_list(op, indices[0] if stacked else list(indices))
+        if local_rows % tp != 0:
+            raise ValueError(
+                f"{op}: local_rows={local_rows} is not divisible by tp_size={tp}; "
+                "Megatron's sequence-parallel split needs equal chunks"
+            )
+        rows_sp = local_rows // tp
+        if rows != rows_sp:
+            raise ValueError(
+                f"{op}: indices hold {rows} rows per layer but the layout gives this rank "
+                f"local_rows / tp_size = {local_rows} / {tp} = {rows_sp}"
+            )
+        if attention_mask is not None and validate and attention_mask.device.type != "meta":
+            _check_mask_counts(op, attention_mask, cu)
+        if multi:
+            local, overflow = _record(layer_list)
+    except Exception as e:  # every rank still joins the exchange below; re-raised after it
+        if not exchange:
+            if isinstance(e, _CallerRejected):
+                raise RuntimeError(f"{op}: this rank's input was rejected before the op") from None
+            raise
+        error = e
+    if exchange:
+        first = tp_group if tp > 1 else cp_group
+        dev = _exchange_device(first)
+        fp = (_fingerprint(cu, cu_padded, total_tokens, local_rows, tp, cp, cp_layout, dev) if error is None
+              else torch.zeros(8, dtype=torch.int64, device=dev))
+        _agree(op, fp, [g for g, size in ((tp_group, tp), (cp_group, cp)) if size > 1], overflow, error)
+    if not multi:
+        routes, overflow = _record(layer_list, cu, cu_padded, total_tokens, attention_mask)
+        if validate and overflow.is_cuda and bool(overflow.any()):
+            raise RuntimeError(
+                f"{op}: indices hold values outside the int16 range [-32768, 32767]; router replay stores "
+                "expert ids as int16"
+            )
+        return routes
+    import torch.distributed._functional_collectives as funcol
+
+    # Collectives move bytes: NCCL has no int16 (and gloo needs none); the uint8 view is free.
+    shard = local.view(torch.uint8)
+    if tp > 1:
+        shard = funcol.all_gather_tensor(shard, gather_dim=0, group=tp_group)
+    if cp > 1:
+        shard = funcol.all_gather_tensor(shard, gather_dim=0, group=cp_group)
+        shard = shard.view(cp, local_rows, num_layers, 2 * topk)
+    return _ops.postprocess_thd(
+        shard, cu, cu_padded, total_tokens, cp, -1 if cp > 1 else 0, cp_layout, False, attention_mask
+    ).view(torch.int16)
+
+
+for _key in ("CPU", "CUDA"):
+    _lib.impl("merge_router_topk", _merge_impl, _key)
+
+
+@torch.library.register_fake("verl_ops::merge_router_topk")
+def _merge_fake(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_size=1, cp_layout=0,
+                tp_group_name=None, cp_group_name=None, attention_mask=None, validate=True, rank_error=False):
+    first = indices[0]
+    if len(indices) == 1 and first.dim() == 3:
+        num_layers, topk = first.shape[0], first.shape[2]
+    else:
+        num_layers, topk = len(indices), first.shape[1]
+    if attention_mask is not None:
+        return first.new_empty((attention_mask.shape[0], attention_mask.shape[1], num_layers, topk), dtype=torch.int16)
+    return first.new_empty((total_tokens, num_layers, topk), dtype=torch.int16)
+
+
+def _group_name(group):
+    return None if group is None else group.group_name
 
 
 def merge_router_topk(
@@ -205,7 +345,8 @@ def merge_router_topk(
     as_nested: bool = True,
     validate: bool | None = None,
 ) -> torch.Tensor:
-    """Gather the recorded router top-k indices of every rank and return them per sequence.
+    """Gather the recorded router top-k indices of every rank and return them per sequence
+    (``torch.ops.verl_ops.merge_router_topk`` on the layout's offsets).
 
     Args:
         indices: this rank's recorded indices, a list of L tensors ``[T_local_sp, K]`` (one per MoE
@@ -238,58 +379,40 @@ def merge_router_topk(
         _check_group(op, "tp", tp_group, tp)
     if cp > 1:
         _check_group(op, "cp", cp_group, cp)
-    multi = tp > 1 or cp > 1
-    exchange = multi and validate is not False and not torch.compiler.is_compiling()
-    if exchange and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        exchange = False
-    error = overflow = None
-    try:
-        layer_list, num_layers, rows, topk, device = _layer_list(op, indices)
-        cu, cu_padded = _offsets_on(op, layout, indices if isinstance(indices, torch.Tensor) else indices[0])
-        rows_sp = _rows_per_tp_rank(op, layout)
-        if rows != rows_sp:
-            raise ValueError(
-                f"{op}: indices hold {rows} rows per layer but the layout gives this rank "
-                f"local_rows / tp_size = {layout.local_rows} / {layout.tp_size} = {rows_sp}"
-            )
-        if attention_mask is not None:
-            _check_mask_lengths(op, attention_mask, layout, validate)
-        if multi:
-            local, overflow = _record(layer_list)
-    except Exception as e:  # every rank still joins the exchange below; re-raised after it
-        if not exchange:
-            raise
-        error = e
-    if exchange:
-        _agree(op, layout, [g for g, size in ((tp_group, tp), (cp_group, cp)) if size > 1], overflow, error)
-    if not multi:
-        routes, overflow = _record(layer_list, cu, cu_padded, layout.total_tokens, attention_mask)
-        if _should_validate(validate, overflow) and overflow.is_cuda and bool(overflow.any()):
-            raise RuntimeError(
-                f"{op}: indices hold values outside the int16 range [-32768, 32767]; router replay stores "
-                "expert ids as int16"
-            )
+    compiling = torch.compiler.is_compiling()
+    if validate is None:
+        checks = not compiling and not (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
     else:
-        import torch.distributed._functional_collectives as funcol
-
-        # Collectives move bytes: NCCL has no int16 (and gloo needs none); the uint8 view is free.
-        shard = local.view(torch.uint8)
-        if tp > 1:
-            shard = funcol.all_gather_tensor(shard, gather_dim=0, group=tp_group)
-        if cp > 1:
-            shard = funcol.all_gather_tensor(shard, gather_dim=0, group=cp_group)
-            shard = shard.view(cp, layout.local_rows, num_layers, 2 * topk)
-        routes = _ops.postprocess_thd(
-            shard,
-            cu,
-            cu_padded,
-            layout.total_tokens,
-            cp,
-            -1 if cp > 1 else 0,
-            layout.cp_layout_code,
-            False,
-            attention_mask,
-        ).view(torch.int16)
+        checks = bool(validate) and not compiling
+    names = (_group_name(tp_group) if tp > 1 else None, _group_name(cp_group) if cp > 1 else None)
+    sizes = (layout.local_rows, tp, cp, layout.cp_layout_code) + names
+    try:
+        if isinstance(indices, torch.Tensor):
+            _layer_list(op, indices)  # the shape message of the one-tensor form
+            layers = [indices]
+        elif isinstance(indices, (list, tuple)) and len(indices) > 0 and all(
+            isinstance(t, torch.Tensor) and not t.is_nested and t.dim() == 2 for t in indices
+        ):
+            layers = list(indices)
+        else:
+            _layer_list(op, indices)  # raises with the message that names the bad entry
+            raise ValueError(f"{op}: indices must be a list of [T_local_sp, K] tensors")
+        cu, cu_padded = _offsets_on(op, layout, layers[0])
+        if attention_mask is not None:
+            _check_mask(op, attention_mask, layout)
+    except Exception:
+        if checks and (tp > 1 or cp > 1):
+            # Join the status exchange as a failed rank, so the other ranks raise too.
+            dummy = torch.zeros(1, 0, dtype=torch.int64)
+            cu0 = torch.zeros(1, dtype=torch.int32)
+            try:
+                _ops.merge_router_topk([dummy], cu0, cu0, 0, *sizes, None, True, True)
+            except RuntimeError:
+                pass
+        raise
+    routes = _ops.merge_router_topk(
+        layers, cu, cu_padded, layout.total_tokens, *sizes, attention_mask, checks
+    )
     if attention_mask is not None or not as_nested:
         return routes
     return _as_nested(routes, cu, layout)
