@@ -18,6 +18,12 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
       "thd_layout(Tensor lengths, int tp_size=1, int cp_size=1, int cp_layout=0, "
       "bool fp8_padding=False, int? min_local_rows=None, int? pad_to_length_bucket=None) "
       "-> (Tensor cu_seqlens, Tensor cu_seqlens_padded)");
+  // The same rules from lengths [B] or (x_is_offsets) a jagged batch's offsets [B + 1] (CPU), with
+  // the layout's summary: offsets int32 [2, B + 1] and info int64 [7 + B] (see thd_ops.h).
+  m.def(
+      "thd_layout_info(Tensor x, bool x_is_offsets=False, int tp_size=1, int cp_size=1, "
+      "int cp_layout=0, bool fp8_padding=False, int? min_local_rows=None, "
+      "int? pad_to_length_bucket=None) -> (Tensor offsets, Tensor info)");
   // Pack jagged values [total, *F] (or padded [B, S, *F] with attention_mask [B, S]) into the
   // THD rows of cp_rank ([local_rows, *F]) or of every rank (cp_rank=-1: [cp, local_rows, *F]),
   // with the position of each row inside its padded sequence (0 in padding rows, as verl).
@@ -75,6 +81,7 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
 
 STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   m.impl("thd_layout", VERL_BOX(&verl_ops::ops::thd_layout));
+  m.impl("thd_layout_info", VERL_BOX(&verl_ops::ops::thd_layout_info));
   m.impl("preprocess_thd", VERL_BOX(&verl_ops::ops::preprocess_thd_cpu));
   m.impl("postprocess_thd", VERL_BOX(&verl_ops::ops::postprocess_thd_cpu));
   m.impl("jagged_gather", VERL_BOX(&verl_ops::ops::jagged_gather_cpu));

@@ -845,6 +845,30 @@ RAW_CASES = [
          lambda d: ops.thd_layout(_i64([3, 5], "meta"), 1, 1, 5), devices="cpu"),
     Case("raw-thd_layout-meta_lengths_float", "thd_layout", "lengths", RT,
          lambda d: ops.thd_layout(torch.zeros(2, device="meta"), 1, 1, 0), devices="cpu"),
+    # thd_layout_info (lengths or offsets on the CPU; a length outside [0, 2**31 - 1] is reported in
+    # info[0:2] for the Python layout to raise, see test_ops; everything else raises here)
+    Case("raw-thd_layout_info-tp_size_0", "thd_layout_info", "tp_size", RT,
+         lambda d: ops.thd_layout_info(_i64([3, 5], "cpu"), False, 0, 1, 0), devices="cpu"),
+    Case("raw-thd_layout_info-cp_layout_2", "thd_layout_info", "cp_layout", RT,
+         lambda d: ops.thd_layout_info(_i64([0, 3, 5], "cpu"), True, 1, 2, 2), devices="cpu"),
+    Case("raw-thd_layout_info-bucket_0", "thd_layout_info", "pad_to_length_bucket", RT,
+         lambda d: ops.thd_layout_info(_i64([3, 5], "cpu"), False, 1, 2, 0, False, None, 0), devices="cpu"),
+    Case("raw-thd_layout_info-lengths_float", "thd_layout_info", "lengths", RT,
+         lambda d: ops.thd_layout_info(torch.tensor([3.0, 5.0]), False), devices="cpu"),
+    Case("raw-thd_layout_info-offsets_bool", "thd_layout_info", "offsets", RT,
+         lambda d: ops.thd_layout_info(torch.tensor([False, True]), True), devices="cpu"),
+    Case("raw-thd_layout_info-offsets_2d", "thd_layout_info", "offsets", RT,
+         lambda d: ops.thd_layout_info(_i64([[0, 3, 5]], "cpu"), True), devices="cpu"),
+    Case("raw-thd_layout_info-offsets_empty", "thd_layout_info", "offsets", RT,
+         lambda d: ops.thd_layout_info(_i64([], "cpu"), True), devices="cpu"),
+    Case("raw-thd_layout_info-padded_total_int32", "thd_layout_info", "padded total", RT,
+         lambda d: ops.thd_layout_info(_i64([2**31 - 1, 2**31 - 1], "cpu"), False), devices="cpu"),
+    Case("raw-thd_layout_info-min_local_rows_empty_batch", "thd_layout_info", "min_local_rows", RT,
+         lambda d: ops.thd_layout_info(_i64([0], "cpu"), True, 1, 1, 0, False, 4), devices="cpu"),
+    Case("raw-thd_layout_info-meta_cp_size_-1", "thd_layout_info", "cp_size", RT,
+         lambda d: ops.thd_layout_info(_i64([0, 3], "meta"), True, 1, -1, 0), devices="cpu"),
+    Case("raw-thd_layout_info-meta_offsets_empty", "thd_layout_info", "offsets", RT,
+         lambda d: ops.thd_layout_info(torch.zeros(0, dtype=torch.int64, device="meta"), True), devices="cpu"),
     # preprocess_thd
     Case("raw-preprocess_thd-cp_size_2**62+1", "preprocess_thd", "cp_size", RT,
          lambda d: _raw_pre(d, cp_size=2**62 + 1, cp_layout=1, layout_kw=dict(cp=1, cp_layout="contiguous",
@@ -1050,7 +1074,10 @@ def test_raw_op_bad_input(case, device):
 def test_raw_op_cases_cover_every_op():
     # A case covers the op it calls: its id is raw-<op>-...
     names = {c.op for c in RAW_CASES} | {c.id.split("-")[1] for c in RAW_CASES}
-    registered = {n for n in dir(ops) if isinstance(getattr(ops, n), torch._ops.OpOverloadPacket)}
+    # (dir(torch.ops.verl_ops) lists only the packets already looked up: ask the dispatcher.)
+    registered = {n.split("::")[1].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                  if n.startswith("verl_ops::")}
+    assert len(registered) >= 14, sorted(registered)
     assert registered <= names, sorted(registered - names)
 
 

@@ -145,3 +145,41 @@ def test_python_api_is_a_thin_wrapper_over_the_ops():
         verl_ops.dynamic_cp_split(nt, 8)
         verl_ops.merge_router_topk(case.recorded(0, 0, "list"), case.layout, as_nested=False)
     assert "verl_ops::dynamic_cp_split" in seen and "verl_ops::merge_router_topk" in seen
+
+
+# --------------------------------------------------------------------------------------------
+# thd_layout_info: the layout's fast path (one op from lengths or nested offsets to every size)
+
+
+@pytest.mark.parametrize("rules", [dict(), dict(tp_size=2, cp_size=4), dict(cp_size=2, cp_layout=1, fp8_padding=True),
+                                   dict(tp_size=2, cp_size=2, min_local_rows=4096, pad_to_length_bucket=96)])
+def test_thd_layout_info_matches_thd_layout(rules):
+    g = torch.Generator().manual_seed(len(rules))
+    lengths = torch.randint(0, 3000, (37,), generator=g)
+    lengths[[3, 10]] = 0
+    args = (rules.get("tp_size", 1), rules.get("cp_size", 1), rules.get("cp_layout", 0),
+            rules.get("fp8_padding", False), rules.get("min_local_rows"), rules.get("pad_to_length_bucket"))
+    cu, cu_padded = ops.thd_layout(lengths, *args)
+    offsets = torch.cat([torch.tensor([5]), 5 + lengths.cumsum(0)])  # offsets need not start at 0
+    for x, is_offsets in ((lengths, False), (lengths.to(torch.int32), False), (offsets, True)):
+        both, info = ops.thd_layout_info(x, is_offsets, *args)
+        assert both.dtype == torch.int32 and torch.equal(both[0], cu) and torch.equal(both[1], cu_padded)
+        padded = cu_padded.diff()
+        assert info.tolist() == [-1, 0, int(lengths.sum()), int(cu_padded[-1]), int(padded.max()),
+                                 int(lengths.max()), int(lengths.min()), *lengths.tolist()]
+        _opcheck(ops.thd_layout_info.default, (x, is_offsets, *args))
+
+
+def test_thd_layout_info_reports_the_first_bad_length():
+    _, info = ops.thd_layout_info(torch.tensor([0, 4, 2, 9, 1]), True)  # lengths 4, -2, 7, -8
+    assert info[:2].tolist() == [1, -2]
+    _, info = ops.thd_layout_info(torch.tensor([3, 2**31, -1]), False)
+    assert info[:2].tolist() == [1, 2**31]
+    with pytest.raises(ValueError, match=r"from_lengths: lengths must be >= 0, got lengths\[1\]=-2"):
+        verl_ops.ThdLayout.from_nested(torch.nested.nested_tensor_from_jagged(
+            torch.zeros(9), offsets=torch.tensor([0, 4, 2, 9])))
+
+
+def test_thd_layout_info_empty_batch():
+    both, info = ops.thd_layout_info(torch.zeros(1, dtype=torch.int64), True, 2, 2)
+    assert both.tolist() == [[0], [0]] and info.tolist() == [-1, 0, 0, 0, 0, 0, 0]

@@ -8,7 +8,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._validate import INT32_MAX, as_bool, as_int, check_jagged, host_values_required, is_meta, lengths_tensor
+from ._validate import (
+    INT32_MAX,
+    _raise_bad_length,
+    as_bool,
+    as_int,
+    check_jagged,
+    host_values_required,
+    is_meta,
+    lengths_tensor,
+)
 
 CP_LAYOUTS = ("zigzag", "contiguous")
 # The raw ops take cp_layout as an int (the stable ABI has no str arguments at torch 2.9).
@@ -22,6 +31,36 @@ def _check_rules(op: str, cp_layout, tp_size, cp_size) -> tuple[int, int]:
         as_int(op, "tp_size", tp_size, lo=1, hi=INT32_MAX),
         as_int(op, "cp_size", cp_size, lo=1, hi=INT32_MAX),
     )
+
+
+# info's head (see thd_layout_info in csrc/ops/thd_ops.h): status, bad length, totals, extremes.
+_INFO_HEAD = 7
+
+
+def _rules(op: str, tp_size=1, cp_size=1, cp_layout="zigzag", fp8_padding=False, min_local_rows=None,
+           pad_to_length_bucket=None) -> dict:
+    """Checked layout rules, as the ThdLayout fields they become (``align`` included)."""
+    tp_size, cp_size = _check_rules(op, cp_layout, tp_size, cp_size)
+    fp8_padding = as_bool(op, "fp8_padding", fp8_padding)
+    if pad_to_length_bucket is not None:
+        pad_to_length_bucket = as_int(op, "pad_to_length_bucket", pad_to_length_bucket, lo=1, hi=INT32_MAX)
+    if min_local_rows is not None:
+        min_local_rows = as_int(op, "min_local_rows", min_local_rows, lo=0, hi=INT32_MAX)
+    align = tp_size * cp_size * (2 if (cp_layout == "zigzag" and cp_size > 1) else 1)
+    if fp8_padding:
+        align = math.lcm(16, align)
+    return dict(tp_size=tp_size, cp_size=cp_size, cp_layout=cp_layout, fp8_padding=fp8_padding,
+                min_local_rows=min_local_rows, pad_to_length_bucket=pad_to_length_bucket, align=align)
+
+
+def _host_lengths(op: str, lengths) -> torch.Tensor:
+    """Lengths as a CPU integer tensor for the layout op, which checks their range (one host read
+    for a device tensor). Unsigned 32/64-bit tensors and lists go through lengths_tensor."""
+    if (isinstance(lengths, torch.Tensor) and not lengths.is_nested and lengths.dim() == 1
+            and lengths.dtype in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+            and not is_meta(lengths)):
+        return lengths.detach() if lengths.device.type == "cpu" else lengths.detach().to("cpu")
+    return lengths_tensor(op, "lengths", lengths)
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,37 +134,38 @@ class ThdLayout:
         layout from host lengths with ``device="meta"``: every op then runs on meta inputs.
         """
         op = "ThdLayout.from_lengths"
-        tp_size, cp_size = _check_rules(op, cp_layout, tp_size, cp_size)
-        fp8_padding = as_bool(op, "fp8_padding", fp8_padding)
-        if pad_to_length_bucket is not None:
-            pad_to_length_bucket = as_int(
-                op, "pad_to_length_bucket", pad_to_length_bucket, lo=1, hi=INT32_MAX
-            )
-        if min_local_rows is not None:
-            min_local_rows = as_int(op, "min_local_rows", min_local_rows, lo=0, hi=INT32_MAX)
+        rules = _rules(op, tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket)
         if device is None:
             device = lengths.device if isinstance(lengths, torch.Tensor) else torch.device("cpu")
         # The one host synchronisation of the data path: layout sizes decide output shapes.
-        host = lengths_tensor(op, "lengths", lengths)
-        cu, cu_padded = torch.ops.verl_ops.thd_layout(
-            host, tp_size, cp_size, CP_LAYOUT_CODES[cp_layout], fp8_padding, min_local_rows, pad_to_length_bucket
+        return cls._from_host(op, "lengths", _host_lengths(op, lengths), False, device, rules)
+
+    @classmethod
+    def _from_host(cls, op, name, host, is_offsets, device, rules) -> ThdLayout:
+        """One call of the layout op on host lengths (or offsets), one host-to-device copy."""
+        both, info = torch.ops.verl_ops.thd_layout_info(
+            host, is_offsets, rules["tp_size"], rules["cp_size"], CP_LAYOUT_CODES[rules["cp_layout"]],
+            rules["fp8_padding"], rules["min_local_rows"], rules["pad_to_length_bucket"],
         )
-        factor = 2 if (cp_layout == "zigzag" and cp_size > 1) else 1
-        align = tp_size * cp_size * factor
-        if fp8_padding:
-            align = math.lcm(16, align)
-        return cls._from_offsets(
-            host,
-            cu,
-            cu_padded,
-            device,
-            tp_size=tp_size,
-            cp_size=cp_size,
-            cp_layout=cp_layout,
-            fp8_padding=fp8_padding,
-            min_local_rows=min_local_rows,
-            pad_to_length_bucket=pad_to_length_bucket,
-            align=align,
+        head = info.tolist()
+        if head[0] >= 0:
+            _raise_bad_length(op, name, head[0], head[1])
+        device = torch.device(device)
+        on_device = both if device.type == "cpu" else both.to(device)
+        total_padded = head[3]
+        return cls(
+            lengths=tuple(head[_INFO_HEAD:]),
+            **rules,
+            cu_seqlens_cpu=both[0],
+            cu_seqlens_padded_cpu=both[1],
+            cu_seqlens=on_device[0],
+            cu_seqlens_padded=on_device[1],
+            max_seqlen=head[4],
+            max_seqlen_unpadded=head[5],
+            min_seqlen_unpadded=head[6],
+            total_tokens=head[2],
+            total_padded=total_padded,
+            local_rows=total_padded // rules["cp_size"],
         )
 
     @classmethod
@@ -245,7 +285,12 @@ class ThdLayout:
         offsets = x.offsets()
         if is_meta(offsets):
             raise host_values_required(op, "x", "offsets")
-        layout = cls.from_lengths(offsets.diff(), **kwargs)
+        device = kwargs.pop("device", None)
+        rules = _rules("ThdLayout.from_lengths", **kwargs)
+        host = offsets if offsets.device.type == "cpu" else offsets.to("cpu")
+        layout = cls._from_host(
+            "ThdLayout.from_lengths", "lengths", host.detach(), True, offsets.device if device is None else device, rules
+        )
         object.__setattr__(layout, "source_offsets", offsets)
         return layout
 

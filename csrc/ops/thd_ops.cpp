@@ -104,11 +104,11 @@ std::vector<int64_t> host_lengths(const char* op, const Tensor& lengths) {
 
 }  // namespace
 
-std::tuple<Tensor, Tensor> thd_layout(const Tensor& lengths, int64_t tp_size, int64_t cp_size,
-                                      int64_t cp_layout, bool fp8_padding,
-                                      std::optional<int64_t> min_local_rows,
-                                      std::optional<int64_t> pad_to_length_bucket) {
-  constexpr const char* op = "thd_layout";
+namespace {
+
+core::LayoutParams layout_params(const char* op, int64_t tp_size, int64_t cp_size, int64_t cp_layout,
+                                 bool fp8_padding, std::optional<int64_t> min_local_rows,
+                                 std::optional<int64_t> pad_to_length_bucket) {
   core::LayoutParams p;
   p.tp_size = st::int32_arg(op, "tp_size", tp_size, 1);
   p.cp_size = st::int32_arg(op, "cp_size", cp_size, 1);
@@ -120,37 +120,111 @@ std::tuple<Tensor, Tensor> thd_layout(const Tensor& lengths, int64_t tp_size, in
                *pad_to_length_bucket);
     p.pad_to_length_bucket = st::int32_arg(op, "pad_to_length_bucket", *pad_to_length_bucket, 1);
   }
-  const std::vector<int64_t> l = host_lengths(op, lengths);
-  const int64_t B = static_cast<int64_t>(l.size());
-  std::vector<int64_t> padded(l.size());
-  VERL_CHECK(core::compute_padded_lengths(l.data(), B, p, padded.data()), op,
-             ": the padded sizes overflow int64 (tp_size=", tp_size, ", cp_size=", cp_size,
+  return p;
+}
+
+// Sums and extremes of a layout, as fill_layout computes them.
+struct LayoutTotals {
+  int64_t total = 0, total_padded = 0, max_padded = 0, max_len = 0, min_len = 0;
+};
+
+// verl's rules on checked lengths l[0..B) (each in [0, 2**31 - 1]): writes the int32 offsets
+// c / cp [B + 1]; errors name `op`.
+LayoutTotals fill_layout(const char* op, const int64_t* l, int64_t B, const core::LayoutParams& p,
+                         int32_t* c, int32_t* cp) {
+  std::vector<int64_t> padded(static_cast<size_t>(B));
+  VERL_CHECK(core::compute_padded_lengths(l, B, p, padded.data()), op,
+             ": the padded sizes overflow int64 (tp_size=", p.tp_size, ", cp_size=", p.cp_size,
              ", min_local_rows / pad_to_length_bucket too large); totals must fit int32");
   VERL_CHECK(B > 0 || p.min_local_rows <= 0, op,
              ": min_local_rows needs at least one sequence to pad, got an empty batch");
-
-  Tensor cu = st::zeros(lengths, {B + 1}, st::kInt);
-  Tensor cu_padded = st::zeros(lengths, {B + 1}, st::kInt);
-  int32_t* c = st::ptr<int32_t>(cu);
-  int32_t* cp = st::ptr<int32_t>(cu_padded);
-  int64_t acc = 0, acc_padded = 0;
+  const int64_t cp_size = p.cp_size;
+  LayoutTotals t;
+  t.min_len = B > 0 ? l[0] : 0;
+  c[0] = 0;
+  cp[0] = 0;
   for (int64_t i = 0; i < B; ++i) {
     const int64_t padded_i = padded[static_cast<size_t>(i)];
-    acc += l[static_cast<size_t>(i)];
-    acc_padded += padded_i;
-    VERL_CHECK(acc_padded <= INT32_MAX, op, ": padded total ", acc_padded,
+    t.total += l[i];
+    t.total_padded += padded_i;
+    VERL_CHECK(t.total_padded <= INT32_MAX, op, ": padded total ", t.total_padded,
                " does not fit the int32 cu_seqlens_padded");
     VERL_CHECK(p.layout != core::CpLayout::kZigzag || cp_size == 1 || padded_i % (2 * cp_size) == 0,
                op, ": zigzag with cp_size=", cp_size,
                " needs every padded length to be a multiple of 2*cp_size, but the padding rules "
                "(min_local_rows / pad_to_length_bucket) give sequence ",
                i, " ", padded_i, " rows");
-    c[i + 1] = static_cast<int32_t>(acc);
-    cp[i + 1] = static_cast<int32_t>(acc_padded);
+    c[i + 1] = static_cast<int32_t>(t.total);
+    cp[i + 1] = static_cast<int32_t>(t.total_padded);
+    t.max_padded = padded_i > t.max_padded ? padded_i : t.max_padded;
+    t.max_len = l[i] > t.max_len ? l[i] : t.max_len;
+    t.min_len = l[i] < t.min_len ? l[i] : t.min_len;
   }
-  VERL_CHECK(acc_padded % cp_size == 0, op, ": padded total ", acc_padded,
+  VERL_CHECK(t.total_padded % cp_size == 0, op, ": padded total ", t.total_padded,
              " is not divisible by cp_size=", cp_size);
+  return t;
+}
+
+}  // namespace
+
+std::tuple<Tensor, Tensor> thd_layout(const Tensor& lengths, int64_t tp_size, int64_t cp_size,
+                                      int64_t cp_layout, bool fp8_padding,
+                                      std::optional<int64_t> min_local_rows,
+                                      std::optional<int64_t> pad_to_length_bucket) {
+  constexpr const char* op = "thd_layout";
+  const core::LayoutParams p =
+      layout_params(op, tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket);
+  const std::vector<int64_t> l = host_lengths(op, lengths);
+  const int64_t B = static_cast<int64_t>(l.size());
+  Tensor cu = st::empty(lengths, {B + 1}, st::kInt);
+  Tensor cu_padded = st::empty(lengths, {B + 1}, st::kInt);
+  fill_layout(op, l.data(), B, p, st::ptr<int32_t>(cu), st::ptr<int32_t>(cu_padded));
   return {cu, cu_padded};
+}
+
+std::tuple<Tensor, Tensor> thd_layout_info(const Tensor& x, bool x_is_offsets, int64_t tp_size,
+                                           int64_t cp_size, int64_t cp_layout, bool fp8_padding,
+                                           std::optional<int64_t> min_local_rows,
+                                           std::optional<int64_t> pad_to_length_bucket) {
+  constexpr const char* op = "thd_layout_info";
+  const core::LayoutParams p =
+      layout_params(op, tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket);
+  const char* name = x_is_offsets ? "offsets" : "lengths";
+  VERL_CHECK(x.is_cpu(), op, ": ", name, " must be a CPU tensor, got ", st::device_of(x));
+  VERL_CHECK(x.dim() == 1, op, ": ", name, " must be 1-D, got shape ", st::shape_of(x));
+  VERL_CHECK(st::is_integral(x.scalar_type()) && x.scalar_type() != st::kBool, op, ": ", name,
+             " must be an integer tensor, got ", st::dtype_name(x.scalar_type()));
+  VERL_CHECK(!x_is_offsets || x.size(0) >= 1, op, ": offsets must have B + 1 >= 1 entries, got 0");
+  const Tensor x64 = st::contiguous(st::to_dtype(x, st::kLong));
+  const int64_t* v = st::ptr<int64_t>(x64);
+  const int64_t B = x_is_offsets ? x.size(0) - 1 : x.size(0);
+
+  Tensor info = st::empty(x, {kLayoutInfoHead + B}, st::kLong);
+  int64_t* inf = st::ptr<int64_t>(info);
+  int64_t* l = inf + kLayoutInfoHead;
+  inf[0] = -1;
+  inf[1] = 0;
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t n = x_is_offsets ? v[i + 1] - v[i] : v[i];
+    l[i] = n;
+    if (inf[0] < 0 && (n < 0 || n > INT32_MAX)) {
+      inf[0] = i;
+      inf[1] = n;
+    }
+  }
+  Tensor offsets = st::empty(x, {2, B + 1}, st::kInt);
+  if (inf[0] >= 0) {  // the caller raises its own message for the bad length
+    for (int64_t j = 2; j < kLayoutInfoHead; ++j) inf[j] = 0;
+    return {offsets, info};
+  }
+  int32_t* c = st::ptr<int32_t>(offsets);
+  const LayoutTotals t = fill_layout(op, l, B, p, c, c + (B + 1));
+  inf[2] = t.total;
+  inf[3] = t.total_padded;
+  inf[4] = t.max_padded;
+  inf[5] = t.max_len;
+  inf[6] = t.min_len;
+  return {offsets, info};
 }
 
 PackCall prepare_pack(const Tensor& values, const Tensor& cu_seqlens,

@@ -17,6 +17,19 @@ std::tuple<Tensor, Tensor> thd_layout(const Tensor& lengths, int64_t tp_size, in
                                       std::optional<int64_t> min_local_rows,
                                       std::optional<int64_t> pad_to_length_bucket);
 
+// The layout of a batch and its summary in one call (the Python layout's fast path):
+// x: the lengths [B] or, with x_is_offsets, the offsets [B + 1] of a jagged batch (any integer
+// dtype, CPU). Returns offsets int32 [2, B + 1] (cu_seqlens, cu_seqlens_padded) and info int64
+// [kLayoutInfoHead + B]: {index of the first length outside [0, 2**31 - 1] or -1, that length,
+// total tokens, padded total, longest padded sequence, longest and shortest sequence, then the
+// B lengths}. A bad length leaves the offsets unset (the caller raises); the layout rules raise
+// as thd_layout does.
+constexpr int64_t kLayoutInfoHead = 7;
+std::tuple<Tensor, Tensor> thd_layout_info(const Tensor& x, bool x_is_offsets, int64_t tp_size,
+                                           int64_t cp_size, int64_t cp_layout, bool fp8_padding,
+                                           std::optional<int64_t> min_local_rows,
+                                           std::optional<int64_t> pad_to_length_bucket);
+
 // Everything a device implementation needs, after the checks.
 struct PackCall {
   Tensor values;     // contiguous
