@@ -484,6 +484,11 @@ def check_dynamic_subgroup_parent(rank, world, backend):
         modes.append({})
     for kwargs in modes:
         groups = DynamicCPGroups(everyone, **kwargs)
+        # The ops, given the group's c10d name, use this instance (its sub-groups), never build
+        # another one inside a call (which a device-bound NCCL job cannot do).
+        from verl_ops.dynamic_cp import _groups_of
+
+        assert _groups_of("test", everyone.group_name) is groups
         if world > 2:
             assert dist.get_process_group_ranks(groups.merge_group(2)) == list(range(rank % 2, world, 2))
             assert dist.get_process_group_ranks(groups.cp_group(2)) == [rank - rank % 2, rank - rank % 2 + 1]

@@ -277,6 +277,9 @@ class DynamicCPGroups:
                         pg = dist.new_group(list(members))
                     if mine:
                         table[s] = pg
+        # The ops find their groups by the c10d name of the DPxCP group (the latest instance built for
+        # it: every instance holds complete sub-groups, created by every rank in the same order).
+        DynamicCPGroups._cache[self.group.group_name] = self
 
     @classmethod
     def for_group(cls, group=None, *, all_group_ranks=None) -> DynamicCPGroups:
