@@ -176,7 +176,83 @@ def main():
             ("align_r3_router_replay_data ([48, 8] int16 routes)",
              lambda m: m.align_r3_router_replay_data(routes, nested)),
         ]
+    # verl's pipeline-parallel router-map helpers (see verl_pp). Router maps are CPU tensors there
+    # (recorded with .cpu()): 256 sequences in 8 micro-batches, [len, 48, 8] int16; with virtual
+    # pipeline stages, 2 model chunks of 24 layers each, micro-batch groups of 4.
+    from verl_ops.integrations import verl_pp
+
+    try:
+        from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+        pp_theirs = verl_stubs.load_verl_functions(
+            "utils/megatron/router_replay_utils.py", ["reorder_and_merge_vpp_layers", "merge_nested_router_maps"],
+            {"get_schedule_table": get_schedule_table})
+    except (ImportError, LookupError) as e:
+        pp_theirs = {}
+        print(f"# verl's pipeline-parallel router-map helpers not loaded: {e}", flush=True)
+    print("# pp_gather: a collective over the pipeline group, not timed here (one process)", flush=True)
+    if pp_theirs:
+        for name, fn in pp_theirs.items():
+            setattr(util, name, fn)
+        g = torch.Generator(device="cpu").manual_seed(4)
+        n_mb, per_mb = 8, B // 8
+        mb_lengths = [lengths[i * per_mb : (i + 1) * per_mb] for i in range(n_mb)]
+
+        def mb_maps(layers):
+            return [torch.nested.as_nested_tensor(
+                [torch.randint(0, 128, (n, layers, 8), generator=g, dtype=torch.int16) for n in ls],
+                layout=torch.jagged) for ls in mb_lengths]
+
+        full_maps = mb_maps(48)
+        chunk_maps = {c: mb_maps(24) for c in range(2)}
+        vpp_list = [chunk_maps[c][mb] for mb, c in get_schedule_table(n_mb, 2, 4)]
+        jobs += [
+            ("merge_nested_router_maps (8 micro-batches, [48, 8] int16, CPU)",
+             lambda m: m.merge_nested_router_maps(full_maps)),
+            ("reorder_and_merge_vpp_layers (8 micro-batches x 2 chunks, [24, 8] int16, CPU)",
+             lambda m: m.reorder_and_merge_vpp_layers(vpp_list, n_mb, 2, 4)),
+        ]
+    # verl's DynamicCPScheduler over Megatron-Core's DefaultDynamicCPScheduler (see verl_dcp): this
+    # batch on a DPxCP group of 8 ranks (dp 4, cp 2), rank 3's micro-batches, tp 2. Megatron's class
+    # comes from megatron-core when it has it, else from a Megatron-LM checkout (MEGATRON_LM_GIT_DIR
+    # or MEGATRON_LM_SRC, as in tests/test_verl_dcp.py); verl's from the installed verl's file.
+    from verl_ops.integrations import verl_dcp
+
+    dcp_theirs = None
+    try:
+        import test_verl_dcp as tdcp
+
+        dcp_theirs = tdcp.load_verl_dcp_module()
+        try:
+            from megatron.core.datasets.data_schedule import DefaultDynamicCPScheduler  # noqa: F401
+        except ImportError:
+            sources = tdcp._megatron_sources()
+            if not sources:
+                raise LookupError("megatron-core lacks DefaultDynamicCPScheduler and no Megatron-LM checkout was found")
+            sched, sched_utils = tdcp.load_megatron_scheduler(*next(iter(sources.values())))
+            mp.setitem(sys.modules, tdcp.MCORE, sched)
+            mp.setitem(sys.modules, tdcp.MCORE_UTILS, sched_utils)
+        mp.setitem(sys.modules, tdcp.OWNER, dcp_theirs)
+    except (ImportError, LookupError) as e:
+        dcp_theirs = None
+        print(f"# verl's DynamicCPScheduler not loaded: {e}", flush=True)
+    if dcp_theirs is not None:
+        import tensordict
+
+        util.DynamicCPScheduler = dcp_theirs.DynamicCPScheduler
+        dcp_batch = tensordict.TensorDict({"input_ids": nested, "score": torch.randn(B, device=device)}, batch_size=[B])
+        dcp_mslpr = max(1024, -(-max(lengths) // 8))
+
+        def dcp_flat(micro_batches):
+            return [{k: (v.data if hasattr(v, "data") and not isinstance(v, torch.Tensor) else v)
+                     for k, v in mb.items()} for mb in micro_batches]
+
+        jobs.append((f"DynamicCPScheduler.schedule (8 ranks: dp 4 x cp 2, rank 3, {dcp_mslpr} tokens/rank)",
+                     lambda m: dcp_flat(m.DynamicCPScheduler(dcp_mslpr, 4, 2).schedule(
+                         dcp_batch, tdcp.FakeGroup(8, 3), tp_size=2))))
     ours_fns = {n: getattr(vi, n, None) or getattr(vb, n, None) for n in dir(vb) if not n.startswith("__")}
+    ours_fns.update({n: getattr(verl_pp, n) for n in verl_pp.__all__})
+    ours_fns["DynamicCPScheduler"] = verl_dcp.DynamicCPScheduler
     ours_fns.update({n: getattr(vi, n) for n in ("preprocess_packed_seqs", "postprocess_packed_seqs",
                                                  "preprocess_thd_engine", "postprocess_thd_engine")})
     ours_fns.update(_local_padding_mask=verl_r3.local_padding_mask, build_r3_replay_mask=verl_r3.build_r3_replay_mask,

@@ -45,8 +45,12 @@ NOT_RUN = {
     "tests/special_distributed/test_megatron_dynamic_cp_features.py": "needs CUDA, torch.distributed ranks and real megatron-core",
     "tests/utils/test_special_megatron_kl_loss_tp.py": "multi-GPU TP test of the KL loss (needs CUDA + ranks); names preprocess_bshd_engine only in a docstring",
     "tests/models/test_model_forward_fused.py": "replaces preprocess_thd_engine by a fake (tests model_forward_fused's call, not the helper); needs verl's full import tree",
-    "tests/utils/test_dynamic_cp_scheduler.py": "replaces preprocess/postprocess_thd_engine by fakes; needs tensordict",
-    "tests/utils/test_megatron_router_replay_dcp.py": "replaces preprocess/postprocess_thd_engine by fakes (router-replay plumbing); needs verl's engine imports",
+    "tests/utils/test_dynamic_cp_scheduler.py": "needs tensordict and verl's tensordict_utils import tree; replaces "
+    "preprocess/postprocess_thd_engine by fakes; its DynamicCPScheduler cases (assignment adapter, errors) are encoded "
+    "in tests/test_verl_dcp.py, which also compares the drop-in with verl's class over Megatron's scheduler",
+    "tests/utils/test_megatron_router_replay_dcp.py": "replaces preprocess/postprocess_thd_engine by fakes (router-replay plumbing); needs verl's engine imports "
+    "(tensordict); its pp_gather case fakes torch.distributed.all_gather_object, which the drop-in does not use "
+    "(it gathers tensors): the same case runs on two gloo ranks in tests/test_verl_pp.py",
     "tests/utils/megatron/test_router_replay_model_walk_on_cpu.py": "replaces preprocess_packed_seqs by a lambda (router walk only)",
 }
 MODE = "verl"  # "verl": verl main's own functions; "verl_ops": the drop-ins

@@ -474,6 +474,10 @@ _OWNERS: dict[str, str] = {
     "_local_padding_mask": "verl.utils.dynamic_cp_scheduler",
     "build_r3_replay_mask": "verl.utils.megatron.router_replay_utils",
     "align_r3_router_replay_data": "verl.utils.megatron.router_replay_utils",
+    "pp_gather": "verl.utils.megatron.router_replay_utils",
+    "reorder_and_merge_vpp_layers": "verl.utils.megatron.router_replay_utils",
+    "merge_nested_router_maps": "verl.utils.megatron.router_replay_utils",
+    "DynamicCPScheduler": "verl.utils.dynamic_cp_scheduler",
 }
 # (module name, attribute) -> verl's original function, for uninstall().
 _ORIGINALS: dict[tuple[str, str], object] = {}
@@ -482,9 +486,10 @@ last_report: dict[str, list[str]] = {"patched": [], "missing": [], "incompatible
 
 
 def _all_drop_ins() -> dict:
-    """The THD drop-ins above, the BSHD / dict-output / VLM-mask ones (verl_bshd) and the R3 /
-    router padding-mask ones (verl_r3)."""
-    from . import verl_bshd, verl_r3
+    """The THD drop-ins above, the BSHD / dict-output / VLM-mask ones (verl_bshd), the R3 /
+    router padding-mask ones (verl_r3), the pipeline-parallel router-map ones (verl_pp) and the
+    dynamic CP scheduler class (verl_dcp)."""
+    from . import verl_bshd, verl_dcp, verl_pp, verl_r3
 
     out = dict(_DROP_INS)
     out.update({name: getattr(verl_bshd, name) for name in verl_bshd.__all__})
@@ -493,6 +498,8 @@ def _all_drop_ins() -> dict:
         "build_r3_replay_mask": verl_r3.build_r3_replay_mask,
         "align_r3_router_replay_data": verl_r3.align_r3_router_replay_data,
     })
+    out.update({name: getattr(verl_pp, name) for name in verl_pp.__all__})
+    out["DynamicCPScheduler"] = verl_dcp.DynamicCPScheduler
     return out
 
 
