@@ -522,24 +522,27 @@ def _split_impl(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, ass
     return selected, local_lengths, sample_ids, plan.local_cp_size
 
 
-def _merge_header(values, lengths, sample_ids, num_samples, local_cp_size, key_hash):
-    """This rank's header row after the status word: [n, rows, dtype, feature shape, row bytes,
-    key hash, B, local_cp_size] + lengths padded to B + sample ids padded (-1) to B, on the lengths'
-    device; built with tensor ops, so device lengths are not read here."""
+def _merge_header(values, lengths, sample_ids, num_samples, local_cp_size, key_hash, device):
+    """This rank's header row: [status 0, n, rows, dtype, feature shape, row bytes, key hash, B,
+    local_cp_size] + lengths padded (0) to B + sample ids padded (-1) to B, int64 on ``device``;
+    the lengths and ids are copied device to device (never read on the host here)."""
     n = lengths.shape[0]
     feat = tuple(values.shape[1:])
     row_bytes = math.prod(feat) * values.element_size()
-    head = torch.tensor(
-        [n, values.shape[0], _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash, num_samples, local_cp_size],
+    local = torch.empty(_MERGE_META + 2 * num_samples, dtype=torch.int64, device=device)
+    local[:_MERGE_META].copy_(torch.tensor(
+        [0, n, values.shape[0], _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash, num_samples, local_cp_size],
         dtype=torch.int64,
-    )
-    pad = num_samples - n
-    lens = torch.nn.functional.pad(lengths.to(torch.int64), (0, pad))
-    ids = torch.nn.functional.pad(sample_ids.to(torch.int64), (0, pad), value=-1)
-    return head, lens, ids
+    ))
+    body = local[_MERGE_META:].view(2, num_samples)
+    body[0, :n].copy_(lengths)
+    body[0, n:].zero_()
+    body[1, :n].copy_(sample_ids)
+    body[1, n:].fill_(-1)
+    return local
 
 
-_MERGE_META = 9  # status + the 8 words of _merge_header
+_MERGE_META = 9  # the status word + the 8 words of _merge_header
 
 
 def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_name=None, validate=True,
@@ -547,8 +550,9 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     op = "dynamic_cp_merge"
     groups = _groups_of(op, group_name)
     G = 1 if groups is None else groups.dp_size // groups._size(local_cp_size)
-    error = row = None
+    error = local = None
     B = num_samples
+    device = groups.device if groups is not None and G > 1 else values.device
     try:
         if rank_error:
             raise _CallerRejected()
@@ -564,15 +568,12 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
             )
         if values.dim() < 1:
             raise ValueError(f"{op}: values must be [rows, *F], got a 0-d tensor")
-        row = _merge_header(values, lengths, sample_ids, B, local_cp_size, key_hash)
+        local = _merge_header(values, lengths, sample_ids, B, local_cp_size, key_hash, device)
     except Exception as e:  # every rank still joins the exchange below; re-raised after it
         error = e
-    device = groups.device if groups is not None and G > 1 else values.device
-    if row is not None:
-        local = torch.cat([torch.zeros(1, dtype=torch.int64), row[0]]).to(device)
-        local = torch.cat([local, row[1].to(device), row[2].to(device)])
-    else:
-        local = torch.zeros(_MERGE_META + 2 * B, dtype=torch.int64, device=device)
+    if local is None:
+        local = torch.zeros(_MERGE_META + 2 * max(B, 0) if isinstance(B, int) else _MERGE_META,
+                            dtype=torch.int64, device=device)
         local[0] = 1
     if G > 1:
         dist = _dist()
@@ -582,45 +583,48 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         hdr_dev = gathered_hdr.view(G, -1)
     else:
         hdr_dev = local.view(1, -1)
-    rows = hdr_dev.cpu()  # the one host read
-    _raise_collected(op, rows[:, 0], None if isinstance(error, _CallerRejected) else error, "outputs")
+    # The one host read; the rest is plain Python over these B-sized rows (a few dozen tensor ops
+    # on tiny tensors cost more on the host than the loops).
+    rows = hdr_dev.cpu().tolist()
+    _raise_collected(op, [r[0] for r in rows], None if isinstance(error, _CallerRejected) else error, "outputs")
     if error is not None:  # only this rank failed and G == 1
         raise error
-    if not bool((rows[:, 3:_MERGE_META] == rows[0, 3:_MERGE_META]).all()):
+    if any(r[3:_MERGE_META] != rows[0][3:_MERGE_META] for r in rows):
         raise RuntimeError(
             f"{op}: the groups' outputs disagree (dtype, feature shape, row bytes, keys, num_samples, "
-            f"local_cp_size hashes per group: {rows[:, 3:_MERGE_META].tolist()})"
+            f"local_cp_size hashes per group: {[r[3:_MERGE_META] for r in rows]})"
         )
-    counts, totals = rows[:, 1], rows[:, 2]
-    lens = rows[:, _MERGE_META : _MERGE_META + B]
-    ids = rows[:, _MERGE_META + B :]
-    k = torch.arange(B)
-    valid = k.unsqueeze(0) < counts.unsqueeze(1)
+    counts, totals = [r[1] for r in rows], [r[2] for r in rows]
+    lens = [r[_MERGE_META : _MERGE_META + n] for r, n in zip(rows, counts)]
+    ids = [r[_MERGE_META + B : _MERGE_META + B + n] for r, n in zip(rows, counts)]
     if validate:
-        seq_sums = (lens * valid).sum(1)
-        bad = (seq_sums != totals) | (lens < 0).any(1)
-        if bool(bad.any()):
-            g = int(bad.nonzero()[0])
-            raise ValueError(
-                f"{op}: group {g}'s outputs have {int(totals[g])} rows but their lengths "
-                f"{lens[g, : int(counts[g])].tolist()} (each >= 0) sum to {int(seq_sums[g])}"
-            )
-        got = torch.sort(ids[valid]).values
-        if got.numel() != B or not torch.equal(got, torch.arange(B)):
+        for g in range(G):
+            if sum(lens[g]) != totals[g] or (lens[g] and min(lens[g]) < 0):
+                raise ValueError(
+                    f"{op}: group {g}'s outputs have {totals[g]} rows but their lengths "
+                    f"{lens[g]} (each >= 0) sum to {sum(lens[g])}"
+                )
+        flat = sorted(i for group_ids in ids for i in group_ids)
+        if flat != list(range(B)):
             raise RuntimeError(
                 f"{op}: the groups' sample ids do not cover the {B} samples once each (per group: "
-                f"{[ids[g, : int(counts[g])].tolist() for g in range(G)]}); the groups disagree on the plan"
+                f"{ids}); the groups disagree on the plan"
             )
     feat = tuple(values.shape[1:])
-    row_bytes = int(rows[0, 5])
-    max_total = int(totals.max()) if G else 0
-    # Reorder index, vectorised over the host header: sample ids[g, k] starts at row
-    # g * max_total + (rows before k in group g) of the gathered values.
-    starts = torch.arange(G).unsqueeze(1) * max_total + torch.cumsum(lens, 1) - lens
-    slot = torch.where(valid, ids, torch.full_like(ids, B))  # invalid entries land in slot B
-    merged_lengths = torch.zeros(B + 1, dtype=torch.int64).scatter_(0, slot.flatten(), (lens * valid).flatten())[:B]
-    src = torch.zeros(B + 1, dtype=torch.int64).scatter_(0, slot.flatten(), starts.flatten())[:B]
-    total = int(merged_lengths.sum())
+    row_bytes = rows[0][5]
+    max_total = max(totals) if G else 0
+    # Reorder index: sample ids[g][k] starts at row g * max_total + (rows before k in group g) of
+    # the gathered values.
+    merged = [0] * B
+    src = [0] * B
+    for g in range(G):
+        start = g * max_total
+        for i, n in zip(ids[g], lens[g]):
+            if 0 <= i < B:
+                merged[i], src[i] = n, start
+            start += n
+    merged_lengths = torch.tensor(merged, dtype=torch.int64)
+    total = sum(merged)
     if total > INT32_MAX:
         raise ValueError(f"{op}: {total} merged rows do not fit the int32 offsets of jagged_gather")
     if row_bytes == 0 or total == 0:
@@ -637,11 +641,14 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         _dist().all_gather_into_tensor(gathered, send, group=groups.merge_group(local_cp_size))
     else:
         gathered = local_bytes
-    cu = torch.zeros(B + 1, dtype=torch.int64)
-    torch.cumsum(merged_lengths, 0, out=cu[1:])
-    both = torch.cat([src, cu]).to(gathered.device)
-    merged = _ops.jagged_gather(gathered, both[:B], both[B:].to(torch.int32), total)
-    return merged.view(values.dtype).view(total, *feat).to(values.device), merged_lengths
+    cu = [0] * (B + 1)
+    acc = 0
+    for i, n in enumerate(merged):
+        acc += n
+        cu[i + 1] = acc
+    both = torch.tensor(src + cu, dtype=torch.int64).to(gathered.device)
+    out = _ops.jagged_gather(gathered, both[:B], both[B:].to(torch.int32), total)
+    return out.view(values.dtype).view(total, *feat).to(values.device), merged_lengths
 
 
 for _key in ("CPU", "CUDA"):
@@ -737,7 +744,7 @@ def _all_gather_words(words: list, group, device, world: int) -> torch.Tensor:
 
 
 def _raise_collected(op: str, status: torch.Tensor, local_error: BaseException | None, what: str) -> None:
-    bad = [r for r, s in enumerate(status.tolist()) if s != 0]
+    bad = [r for r, s in enumerate(status.tolist() if isinstance(status, torch.Tensor) else status) if s != 0]
     if not bad:
         return
     if local_error is not None:
@@ -841,7 +848,9 @@ def _output_parts(op: str, out, lengths):
             raise ValueError(f"{op}: lengths= is for a values tensor, not for a nested tensor")
         check_jagged(op, "outputs", out)
         offsets = out.offsets()
-        return out.values(), None if is_meta(offsets) else offsets.diff(), True
+        # The values buffer itself (no holes, checked above): the merge is forward-only, and the
+        # nested class's values() dispatch costs more than the rest of the wrapper.
+        return out._values, None if is_meta(offsets) else offsets.diff(), True
     if lengths is None:
         raise ValueError(f"{op}: a values tensor [rows, *F] needs lengths=")
     ls = as_lengths(op, "lengths", lengths)
@@ -893,7 +902,7 @@ def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
     empty = torch.zeros(0, dtype=torch.int64)
     try:
         values, ls, nested = _output_parts(op, out, lengths)
-        n = out.size(0) if nested else ls.numel()
+        n = out.offsets().shape[0] - 1 if nested else ls.numel()
         if n != len(plan.sample_ids):
             raise ValueError(
                 f"{op}: this rank's group holds {len(plan.sample_ids)} sequences but the outputs have {n}"
