@@ -221,7 +221,7 @@ def _router_topk_scatter_fake(routes, cu_seqlens, cu_seqlens_padded, local_rows,
 # Mirrors csrc/ops/mla_ops.cpp: the shapes where backend=auto picks the native path (Dqk, Dv,
 # min max_seqlen, min query rows x heads).
 _AUTO_NATIVE = ((192, 128, 1024, 16 * 1024 * 16),)
-_MLA_BACKENDS = ("auto", "padded", "native")
+_MLA_BACKENDS = ("auto", "padded", "native", "varlen")
 
 
 def _shares_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -273,10 +273,11 @@ def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
 
 def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets) -> str:
     """Mirrors resolve_mla_backend in csrc/ops/mla_ops.cpp (shapes only)."""
-    _check(backend in (0, 1, 2), op, f"backend must be 0 (auto), 1 (padded) or 2 (native), got {backend}")
+    _check(backend in (0, 1, 2, 3), op,
+           f"backend must be 0 (auto), 1 (padded) or 2 (native), got {backend} (3 selects the varlen backend)")
     name = _MLA_BACKENDS[backend]
-    if name == "padded":
-        return "padded"
+    if name in ("padded", "varlen"):
+        return name
     tq, tk, hq, hk, dqk, dv, batch = sizes
     uniform = batch * max_q == tq and batch * max_kv == tk
     same_heads = hq == hk

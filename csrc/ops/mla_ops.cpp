@@ -6,6 +6,9 @@
 #include <string>
 
 #include "../cpu/mla_kernels.h"
+#ifdef VERL_OPS_WITH_CUDNN_FE
+#include "../cuda/mla_cudnn_varlen.h"
+#endif
 
 namespace verl_ops {
 namespace ops {
@@ -145,9 +148,14 @@ MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& 
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
                                bool same_offsets) {
   VERL_CHECK(backend == kMlaBackendAuto || backend == kMlaBackendPadded ||
-                 backend == kMlaBackendNative,
-             op, ": backend must be 0 (auto), 1 (padded) or 2 (native), got ", backend);
+                 backend == kMlaBackendNative || backend == kMlaBackendVarlen,
+             op, ": backend must be 0 (auto), 1 (padded) or 2 (native), got ", backend,
+             " (3 selects the varlen backend)");
   if (backend == kMlaBackendPadded) return MlaBackend::kPadded;
+  // varlen takes every batch shape: ragged, unequal q / kv lengths, grouped heads (head-dim limits
+  // are cuDNN's, checked on the device). auto does not pick it yet: that waits for GPU measurements
+  // against the other backends (verl_ops/_fake.py mirrors this).
+  if (backend == kMlaBackendVarlen) return MlaBackend::kVarlen;
   // The native path (cuDNN SDPA, which takes Dv != Dqk) runs dense [B, H, S, D] attention:
   // - a uniform batch (every sequence max_seqlen long; with max_seqlen >= every length,
   //   B * max_seqlen == T holds exactly then) is a zero-copy view of the THD rows;
@@ -228,6 +236,23 @@ MlaCall prepare_mla(const char* op, MlaDevice device, const Tensor& q, const Ten
                                   shares_offsets(cu_seqlens_q, cu_seqlens_kv));
   c.scale = mla_softmax_scale(softmax_scale, c.s.dqk);
   return c;
+}
+
+Tensor mla_cache_info(const Tensor& like) {
+  VERL_CHECK(like.is_cpu(), "mla_cache_info: like must be a CPU tensor, got one on ",
+             st::device_of(like));
+  Tensor info = st::zeros(like, {6}, st::kLong);
+#ifdef VERL_OPS_WITH_CUDNN_FE
+  const cuda::VarlenCacheStats s = cuda::varlen_cache_stats();
+  int64_t* p = st::ptr<int64_t>(info);
+  p[0] = 1;
+  p[1] = s.size;
+  p[2] = s.hits;
+  p[3] = s.misses;
+  p[4] = s.builds;
+  p[5] = s.failures;
+#endif
+  return info;
 }
 
 // ---------------------------------------------------------------------------------------------
