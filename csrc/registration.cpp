@@ -103,5 +103,7 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   // mla
   m.impl("mla_forward_padded", VERL_BOX(&verl_ops::ops::mla_forward_padded_cuda));
   m.impl("mla_backward_padded", VERL_BOX(&verl_ops::ops::mla_backward_padded_cuda));
+  // mla_cache_info reads host counters: on CUDA it only reports that `like` must be a CPU tensor.
+  m.impl("mla_cache_info", VERL_BOX(&verl_ops::ops::mla_cache_info));
 }
 #endif

@@ -282,13 +282,15 @@ std::shared_ptr<fe::graph::Graph> new_graph(const VarlenProblem& p) {
   return g;
 }
 
-std::shared_ptr<fe::graph::Graph> forward_graph(const VarlenProblem& p, float scale) {
+std::shared_ptr<fe::graph::Graph> forward_graph(const VarlenProblem& p, float scale,
+                                                fe::AttentionImplementation_t impl) {
   auto g = new_graph(p);
   const Common c = common_inputs(*g, p);
   auto attrs = fe::graph::SDPA_attributes()
                    .set_name("mla_varlen_forward")
                    .set_generate_stats(true)
-                   .set_attn_scale(scale);
+                   .set_attn_scale(scale)
+                   .set_implementation(impl);
   set_masks(attrs, p, c);
   auto outs = g->sdpa(c.q, c.k, c.v, attrs);
   TensorPtr o = outs[0], stats = outs[1];
@@ -326,19 +328,53 @@ std::shared_ptr<fe::graph::Graph> backward_graph(const VarlenProblem& p, float s
   return g;
 }
 
+// The forward's SDPA implementation: the frontend's choice (its unified engine where the cuDNN
+// version covers the graph's features, else the composite graph), or one forced through
+// VERL_OPS_CUDNN_SDPA_IMPL=composite|unified (read once; for comparisons and workarounds).
+fe::AttentionImplementation_t forward_implementation() {
+  static const fe::AttentionImplementation_t impl = [] {
+    const char* env = std::getenv("VERL_OPS_CUDNN_SDPA_IMPL");
+    if (env != nullptr && std::strcmp(env, "composite") == 0) {
+      return fe::AttentionImplementation_t::COMPOSITE;
+    }
+    if (env != nullptr && std::strcmp(env, "unified") == 0) {
+      return fe::AttentionImplementation_t::UNIFIED;
+    }
+    return fe::AttentionImplementation_t::AUTO;
+  }();
+  return impl;
+}
+
+// Builds the graph of `p` with `impl` (forward only; the backward has one implementation).
+std::shared_ptr<fe::graph::Graph> build_graph(const char* op, const VarlenProblem& p, float scale,
+                                              cudnnHandle_t handle,
+                                              fe::AttentionImplementation_t impl) {
+  std::shared_ptr<fe::graph::Graph> g =
+      p.backward ? backward_graph(p, scale) : forward_graph(p, scale, impl);
+  check(op, "graph validation", g->validate());
+  check(op, "operation graph build", g->build_operation_graph(handle));
+  check(op, "execution plan creation",
+        g->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}));
+  check(op, "support check", g->check_support(handle));
+  check(op, "plan build", g->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE));
+  return g;
+}
+
 std::unique_ptr<VarlenPlan> build_plan(const char* op, const VarlenProblem& p, float scale,
                                        cudnnHandle_t handle) {
   auto plan = std::make_unique<VarlenPlan>();
   plan->handle = handle;
   plan->backward = p.backward;
+  const fe::AttentionImplementation_t impl = forward_implementation();
   try {
-    plan->graph = p.backward ? backward_graph(p, scale) : forward_graph(p, scale);
-    check(op, "graph validation", plan->graph->validate());
-    check(op, "operation graph build", plan->graph->build_operation_graph(handle));
-    check(op, "execution plan creation",
-          plan->graph->create_execution_plans({fe::HeurMode_t::A, fe::HeurMode_t::FALLBACK}));
-    check(op, "support check", plan->graph->check_support(handle));
-    check(op, "plan build", plan->graph->build_plans(handle, fe::BuildPlanPolicy_t::HEURISTICS_CHOICE));
+    try {
+      plan->graph = build_graph(op, p, scale, handle, impl);
+    } catch (const std::exception&) {
+      // The frontend's automatic choice can pick an engine that then fails to build for this
+      // graph; the composite graph is the long-standing path.
+      if (p.backward || impl != fe::AttentionImplementation_t::AUTO) throw;
+      plan->graph = build_graph(op, p, scale, handle, fe::AttentionImplementation_t::COMPOSITE);
+    }
     int64_t workspace = 0;
     check(op, "workspace query", plan->graph->get_workspace_size(workspace));
     plan->workspace = workspace;

@@ -112,6 +112,11 @@ cudaError_t launch_varlen_empty_rows_backward(const int32_t* cu_q, const int32_t
                                               void* dq, void* dk, void* dv_rows,
                                               cudaStream_t stream);
 
+// Whether backend=auto may choose the varlen backend on `device`: a device of compute capability
+// 9.x (Hopper, where it was measured; on 8.x cuDNN has no backward for ragged log-sum-exp).
+// Cached per device; false when the device cannot be queried.
+bool varlen_auto_device(int device);
+
 #ifdef VERL_OPS_WITH_CUDNN_FE
 
 // A built cuDNN graph (opaque; owned by the plan cache, alive until the process exits).

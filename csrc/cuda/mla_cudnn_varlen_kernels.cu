@@ -4,6 +4,7 @@
 #include "mla_cudnn_varlen.h"
 
 #include <algorithm>
+#include <atomic>
 
 #include "../core/mla.h"
 #include "../core/thd_rows.h"
@@ -113,6 +114,24 @@ __global__ void __launch_bounds__(kBlock)
 }
 
 }  // namespace
+
+bool varlen_auto_device(int device) {
+  // 0: not queried yet, 1: no, 2: yes (static storage: zero-initialised).
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return false;
+  int k = known[device].load(std::memory_order_relaxed);
+  if (k == 0) {
+    int major = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    k = major == 9 ? 2 : 1;
+    known[device].store(k, std::memory_order_relaxed);
+  }
+  return k == 2;
+}
 
 size_t varlen_metadata_bytes(int64_t batch_bucket) {
   const size_t b = static_cast<size_t>(batch_bucket);

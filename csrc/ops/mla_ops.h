@@ -4,7 +4,9 @@
 // Python (verl_ops/_fake.py) and mirror the checks and the layout rule below.
 //
 // Output layout rule (what the fake kernels must mirror):
-//   backend = resolve_mla_backend(...)  (a function of the shapes, causal and shares_offsets only)
+//   backend = resolve_mla_backend(...)  (a function of the shapes, causal, shares_offsets and,
+//             for backend=auto, varlen_auto: whether the build has the varlen backend and q's
+//             device is a CUDA device of compute capability 9.x)
 //   if backend == kPadded and Dv < Dqk:
 //     out    [Tq, Hq, Dv] is out_buf[:, :, :Dv] of a fresh contiguous [Tq, Hq, Dqk] buffer
 //            (strides (Hq * Dqk, Dqk, 1), storage offset 0);
@@ -51,13 +53,14 @@ MlaSizes check_mla_args(const char* op, const Tensor& q, const Tensor& k, const 
 void check_mla_backward_args(const char* op, const Tensor& grad_out, const Tensor& out,
                              const Tensor& softmax_lse, const Tensor& q, const MlaSizes& s);
 
-// The backend a call runs on (backend: 0 auto, 1 padded, 2 native, 3 varlen). A function of the shapes
-// only, so the fake kernel knows the output layout (see the rule at the top of this file).
-// same_offsets: q and kv use one cu_seqlens tensor (self-attention, as Megatron passes it),
-// which lets the native backend take ragged causal batches (see shares_offsets).
+// The backend a call runs on (backend: 0 auto, 1 padded, 2 native, 3 varlen). A function of the
+// shapes and of varlen_auto only, so the fake kernel knows the output layout (see the rule at the
+// top of this file). same_offsets: q and kv use one cu_seqlens tensor (self-attention, as Megatron
+// passes it), which lets the native backend take ragged causal batches (see shares_offsets).
+// varlen_auto: auto may choose the varlen backend (for batches that are not uniform).
 MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-                               bool same_offsets);
+                               bool same_offsets, bool varlen_auto);
 
 // True when a and b are the same offsets: the same first element (data pointer), shape, strides
 // and dtype (no storage API on the stable ABI; the fake kernel compares storage and offset, which

@@ -285,9 +285,9 @@ VarlenCall prepare_varlen(const char* op, bool backward, const Tensor& q,
                           const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv,
                           const MlaSizes& s, int64_t max_seqlen_q, int64_t max_seqlen_kv,
                           bool causal, double scale) {
-  VERL_CHECK(s.dqk % 8 == 0 && s.dv % 8 == 0, op,
-             ": backend='varlen' (cuDNN) needs head dims that are multiples of 8, got Dqk=", s.dqk,
-             ", Dv=", s.dv);
+  VERL_CHECK(s.dqk % 8 == 0 && s.dv % 8 == 0 && s.dqk <= 256, op,
+             ": backend='varlen' (cuDNN) needs head dims that are multiples of 8 and at most 256, "
+             "got Dqk=", s.dqk, ", Dv=", s.dv);
   VarlenCall c;
   c.cu_q = st::contiguous(cu_seqlens_q);
   c.cu_kv = st::contiguous(cu_seqlens_kv);
