@@ -225,19 +225,19 @@ _AUTO_NATIVE = ((192, 128, 1024, 16 * 1024 * 16),)
 # are not uniform to the varlen backend (Dqk, Dv, min query rows x heads), where _varlen_auto holds.
 _AUTO_VARLEN = ((192, 128, 0), (64, 64, 0), (128, 128, 0), (192, 192, 0), (256, 256, 0))
 _MLA_BACKENDS = ("auto", "padded", "native", "varlen")
-_VARLEN_BUILT = None
+# Whether this build has the varlen backend, read once at import (_C is loaded by then): the fake
+# kernels run under fake / functional modes, where calling an op would not return real values.
+try:
+    _VARLEN_BUILT = bool(torch.ops.verl_ops.mla_cache_info(torch.empty(0))[0])
+except (AttributeError, RuntimeError):  # a module built before the op existed
+    _VARLEN_BUILT = False
 _VARLEN_DEVICES = {}
 
 
 def _varlen_auto(device: torch.device) -> bool:
     """Mirrors prepare_mla's varlen_auto: the build has the varlen backend and `device` is a CUDA
     device of compute capability 9.x."""
-    global _VARLEN_BUILT
-    if device.type != "cuda":
-        return False
-    if _VARLEN_BUILT is None:
-        _VARLEN_BUILT = bool(torch.ops.verl_ops.mla_cache_info(torch.empty(0))[0])
-    if not _VARLEN_BUILT:
+    if device.type != "cuda" or not _VARLEN_BUILT:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _VARLEN_DEVICES:

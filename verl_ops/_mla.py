@@ -111,9 +111,9 @@ def mla_forward_padded(
             the first call of a bucket is slow and later ones are not; CUDA-graph capturable once
             the bucket's forward and backward ran eagerly; present in builds made with the
             ``nvidia-cudnn-frontend`` headers, else asking for it on CUDA raises), or ``"auto"``
-            (native where it measured faster, see the README; else padded). ``auto`` does not
-            choose ``varlen``: that choice waits for GPU measurements against the other backends.
-            On the CPU every backend runs the same exact reference.
+            (from GPU measurements, see the README: on Hopper, in builds with ``varlen``, batches
+            that are not uniform run ``varlen``; uniform ones native where it measured faster;
+            else padded). On the CPU every backend runs the same exact reference.
         validate: check the offsets against the data on the host. Default: on when the offsets
             are CPU tensors; CUDA offsets are only checked with ``validate=True`` (a host sync),
             as in FlashAttention. Meta offsets (shape inference) are never read.
