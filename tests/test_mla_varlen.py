@@ -46,7 +46,7 @@ def reference(q, k, v, cu_q, cu_kv, causal=True, scale=None, grad_out=None):
     lse = q.new_full((hq, q.shape[0]), float("inf"))
     grads = [torch.zeros_like(t) for t in (q, k, v)]
     cu_q, cu_kv = [int(x) for x in cu_q], [int(x) for x in cu_kv]
-    heads_per_step = max(1, min(hq, (1 << 26) // max(1, max(np_len(cu_q)) * max(np_len(cu_kv)))))
+    heads_per_step = max(1, min(hq, (1 << 26) // max(1, max(_lengths(cu_q)) * max(_lengths(cu_kv)))))
     for b in range(len(cu_q) - 1):
         q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_kv[b], cu_kv[b + 1]
         lq, lk = q1 - q0, k1 - k0
@@ -76,7 +76,7 @@ def reference(q, k, v, cu_q, cu_kv, causal=True, scale=None, grad_out=None):
     return out, lse, (tuple(grads) if grad_out is not None else None)
 
 
-def np_len(cu):
+def _lengths(cu):
     return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)] or [0]
 
 
@@ -268,7 +268,7 @@ def test_cuda_plan_cache_reused_within_a_bucket():
 
     def step(lengths):
         c = make_case(lengths, hq=4, hk=4, device="cuda", seed=sum(lengths))
-        out, (q, k, v) = run(c)
+        out, (q, k, v) = run(c, scale=0.061)  # a scale of its own: buckets no other test builds
         out.backward(torch.ones_like(out))
         torch.cuda.synchronize()
 
