@@ -5,8 +5,17 @@ The binding layer uses only the LibTorch stable ABI, targeting torch 2.9
 (TORCH_TARGET_VERSION), and the module only the limited Python API (abi3): one binary wheel works
 under every torch >= 2.9 of the CUDA major it was built for, and every Python >= 3.10.
 
+The varlen backend of mla_forward_padded (cuDNN's attention on packed rows) is compiled when the
+cuDNN frontend's C++ headers (>= 1.32; `pip install nvidia-cudnn-frontend`, header-only for this
+use) and cudnn.h (the nvidia-cudnn-cu* package torch depends on, or a system cuDNN) are found;
+otherwise the build goes on without it (VERL_OPS_WITH_CUDNN_FE undefined) and asking for it
+raises. The frontend loads libcudnn at run time (dlopen), so the module has no link dependency on it.
+
 Environment:
   VERL_OPS_CPU_ONLY=1      skip the CUDA sources even when nvcc is available.
+  VERL_OPS_NO_CUDNN_FE=1   build without the varlen (cuDNN frontend) backend.
+  CUDNN_FRONTEND_INCLUDE   directory holding cudnn_frontend.h (default: searched, see above).
+  CUDNN_INCLUDE            directory holding cudnn.h (default: searched).
   TORCH_CUDA_ARCH_LIST     GPU architectures (default "8.0;9.0").
   MAX_JOBS                 parallel compile jobs (ninja).
 """
@@ -111,7 +120,93 @@ def _torch_at_least(major, minor):
     return (int(m.group(1)), int(m.group(2))) >= (major, minor)
 
 
-def _make(name, sources, target, with_cuda, std, link_args):
+# The varlen backend: the one translation unit that includes the cuDNN frontend (slow to compile),
+# and the frontend's minimum version (the API it is written against).
+CUDNN_FE_SOURCE = os.path.join("csrc", "cuda", "mla_cudnn_varlen.cpp")
+CUDNN_FE_MIN_VERSION = (1, 32)
+
+
+def _site_dirs():
+    import site
+    import sysconfig
+
+    dirs = []
+    for d in [sysconfig.get_paths().get("purelib"), sysconfig.get_paths().get("platlib")] + list(
+        getattr(site, "getsitepackages", lambda: [])()
+    ):
+        if d and d not in dirs:
+            dirs.append(d)
+    return dirs
+
+
+def _header_version(path, names):
+    """The integers #define'd as `names` in the header at `path` (None where absent)."""
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    out = []
+    for name in names:
+        m = re.search(rf"#define\s+{name}\s+(\d+)", text)
+        if m is None:
+            return None
+        out.append(int(m.group(1)))
+    return tuple(out)
+
+
+def _find_cudnn_frontend():
+    """Include directories (frontend, cudnn.h) for the varlen backend, or None (reason printed)."""
+    if os.environ.get("VERL_OPS_NO_CUDNN_FE", "0") == "1":
+        print("verl_ops: VERL_OPS_NO_CUDNN_FE=1: building without the varlen (cuDNN frontend) backend")
+        return None
+    fe_candidates = [os.environ.get("CUDNN_FRONTEND_INCLUDE")]
+    try:
+        import importlib.metadata as metadata
+
+        fe_candidates.append(str(metadata.distribution("nvidia-cudnn-frontend").locate_file("include")))
+    except Exception:  # not installed (or no metadata): search the usual places
+        pass
+    fe_candidates += [os.path.join(d, "include") for d in _site_dirs()]
+    fe_candidates += ["/usr/local/include", "/usr/include"]
+    fe_dir = next((d for d in fe_candidates if d and os.path.isfile(os.path.join(d, "cudnn_frontend.h"))), None)
+    if fe_dir is None:
+        print(
+            "verl_ops: cuDNN frontend headers not found (pip install nvidia-cudnn-frontend, or set "
+            "CUDNN_FRONTEND_INCLUDE): building without the varlen backend of mla_forward_padded"
+        )
+        return None
+    version = _header_version(
+        os.path.join(fe_dir, "cudnn_frontend_version.h"),
+        ("CUDNN_FRONTEND_MAJOR_VERSION", "CUDNN_FRONTEND_MINOR_VERSION"),
+    )
+    if version is None or version < CUDNN_FE_MIN_VERSION:
+        print(
+            f"verl_ops: the cuDNN frontend at {fe_dir} is version {version}, older than "
+            f"{CUDNN_FE_MIN_VERSION}: building without the varlen backend of mla_forward_padded"
+        )
+        return None
+    cudnn_candidates = [os.environ.get("CUDNN_INCLUDE")]
+    cudnn_candidates += [os.path.join(d, "nvidia", "cudnn", "include") for d in _site_dirs()]
+    if cpp_extension.CUDA_HOME:
+        cudnn_candidates.append(os.path.join(cpp_extension.CUDA_HOME, "include"))
+    cudnn_candidates += ["/usr/include", "/usr/include/x86_64-linux-gnu", "/usr/local/include"]
+    cudnn_dir = next((d for d in cudnn_candidates if d and os.path.isfile(os.path.join(d, "cudnn.h"))), None)
+    cudnn_version = cudnn_dir and _header_version(os.path.join(cudnn_dir, "cudnn_version.h"), ("CUDNN_MAJOR",))
+    if cudnn_dir is None or cudnn_version is None or cudnn_version[0] < 9:
+        print(
+            "verl_ops: cudnn.h (cuDNN >= 9, e.g. from the nvidia-cudnn-cu* package torch depends on) "
+            "not found (set CUDNN_INCLUDE): building without the varlen backend of mla_forward_padded"
+        )
+        return None
+    print(
+        f"verl_ops: varlen backend of mla_forward_padded: cuDNN frontend "
+        f"{'.'.join(map(str, version))} at {fe_dir}, cuDNN {cudnn_version[0]} headers at {cudnn_dir}"
+    )
+    return [fe_dir, cudnn_dir]
+
+
+def _make(name, sources, target, with_cuda, std, link_args, cudnn_fe_includes=None):
     common = [f"-DTORCH_TARGET_VERSION={target}", f"-DPy_LIMITED_API={PY_LIMITED_API}"]
     cxx_flags = ["-O3", f"-std={std}", "-fvisibility=hidden"] + common
     if not with_cuda:
@@ -121,9 +216,17 @@ def _make(name, sources, target, with_cuda, std, link_args):
     # USE_CUDA: the CUDA declarations of the stable C shim (the current CUDA stream).
     cxx_flags += ["-DVERL_OPS_WITH_CUDA", "-DUSE_CUDA"]
     nvcc_flags = ["-O3", f"-std={std}", "-DVERL_OPS_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo"] + common
+    include_dirs = []
+    if cudnn_fe_includes:
+        # -g0: the frontend's templates make ~80 MB of debug info in the one translation unit that
+        # includes them (a 57 MB module instead of 5 MB); nothing in it is ours to debug.
+        cxx_flags += ["-DVERL_OPS_WITH_CUDNN_FE", "-g0"]
+        nvcc_flags.append("-DVERL_OPS_WITH_CUDNN_FE")
+        include_dirs = list(cudnn_fe_includes)
     return cpp_extension.CUDAExtension(
         name,
         sources,
+        include_dirs=include_dirs,
         extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
         extra_link_args=link_args,
         py_limited_api=True,
@@ -153,11 +256,15 @@ def _extensions():
     )
     layers = [os.path.join("csrc", "layers", f) for f in ("router_layers.cpp", "router_ops_layers.cpp",
                                                           "router_kernels_cpu_layers.cpp")]
+    cudnn_fe_includes = None
     if with_cuda:
         main += sorted(glob.glob(os.path.join("csrc", "ops", "*_cuda.cpp")))
         main += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
         layers += [os.path.join("csrc", "layers", f) for f in ("router_ops_cuda_layers.cpp", "router_kernels_layers.cu")]
-    exts = [_make("verl_ops._C", main, TORCH_TARGET_VERSION, with_cuda, std, link_args)]
+        cudnn_fe_includes = _find_cudnn_frontend()
+        if cudnn_fe_includes:
+            main.append(CUDNN_FE_SOURCE)
+    exts = [_make("verl_ops._C", main, TORCH_TARGET_VERSION, with_cuda, std, link_args, cudnn_fe_includes)]
     if _torch_at_least(2, 10):
         exts.append(_make("verl_ops._C_layers", layers, TORCH_TARGET_VERSION_LISTS, with_cuda, std, link_args))
     else:

@@ -2,15 +2,22 @@
 
     python benchmarks/bench_mla.py --out benchmarks/results_mla.md
     python benchmarks/bench_mla.py --quick            # two small shapes, few repeats
+    python benchmarks/bench_mla.py --batches ragged   # only the ragged batches (issue 10)
 
-Shapes (issue 5): 4 x 4096 tokens x 16 heads, 1 x 16384 x 16, 16 x 1024 x 16, 4 x 4096 x 128; causal,
-bf16, Dqk=192, Dv=128 (packed THD rows, every sequence of the stated length).
+Uniform batches (issue 5): 4 x 4096 tokens x 16 heads, 1 x 16384 x 16, 16 x 1024 x 16,
+4 x 4096 x 128. Ragged batches (issue 10): RL-ragged (lengths drawn log-normal, median 1500,
+sigma 0.9, clipped to [64, 8192], until the batch holds 32k tokens; fixed seed; ~20 sequences)
+with 16 and 128 heads, and 64 short sequences (lengths uniform in [64, 1024], fixed seed, 16
+heads); their lengths are printed. Causal, bf16, Dqk=192, Dv=128, packed THD rows, one
+cu_seqlens tensor for q and kv (self-attention, as Megatron passes it).
 
 Methods, each timed forward and forward+backward (CUDA events, median of repeats after warm-up):
   ours padded       mla_forward_padded(backend="padded"): one pad kernel + torch's varlen
                     FlashAttention, output as a view (no trim copy)
   ours native       mla_forward_padded(backend="native"): cuDNN SDPA with Dv != Dqk through the
                     dense (graph-cached) aten::_cudnn_attention_forward on a zero-copy view
+  ours varlen       mla_forward_padded(backend="varlen"): cuDNN's fused attention on the packed
+                    rows through the cuDNN frontend (builds with the frontend only)
   ours auto         mla_forward_padded(backend="auto")
   megatron path     F.pad(v) + aten::_flash_attention_forward (varlen) + [..., :Dv] (Megatron/verl)
   aten cudnn varlen aten::_cudnn_attention_forward with cum_seq offsets (torch's ragged cuDNN path;
@@ -18,13 +25,16 @@ Methods, each timed forward and forward+backward (CUDA events, median of repeats
   aten efficient    aten::_efficient_attention_forward with cu_seqlens and Dv=128 (no padding)
   sdpa <backend>    F.scaled_dot_product_attention on dense [B, H, S, D] views, one backend each
                     (flash, efficient, cudnn); a backend that rejects the shapes is reported as such
+                    (uniform batches only)
+  fa4 varlen        FlashAttention-4's flash_attn.cute.flash_attn_varlen_func with Dv=128 (the peer;
+                    when flash-attn-4 is importable, else reported as missing)
 
-FLOPs (useful work, causal, per sequence of length S, H heads; a multiply-add counts 2):
+FLOPs (useful work, causal, summed over the sequences, length S, H heads; a multiply-add counts 2):
   forward   = H * S^2 * (Dqk + Dv)        [QK^T: 2*S*S*Dqk*H/2, PV: 2*S*S*Dv*H/2]
   backward  = H * S^2 * (3*Dqk + 2*Dv)    [recompute QK^T, dP = dO V^T, dV, dQ, dK]
   fwd+bwd   = H * S^2 * (4*Dqk + 3*Dv)
 TFLOP/s = FLOPs / median time; the floor is a bf16 8192^3 matmul measured in the same run.
-Every method's output is checked first (rows of the last sequence against a float32 reference);
+Every method's output is checked first (rows of the longest sequence against a float32 reference);
 a method that fails or errors is reported, never timed, and does not stop the script.
 """
 
@@ -34,6 +44,7 @@ import argparse
 import datetime
 import math
 import os
+import random
 import shlex
 import sys
 import traceback
@@ -53,6 +64,41 @@ SHAPES = [(4, 4096, 16), (1, 16384, 16), (16, 1024, 16), (4, 4096, 128)]
 QUICK_SHAPES = [(2, 1024, 16), (4, 512, 16)]
 
 
+def rl_ragged_lengths(seed=0, tokens=32 * 1024, median=1500, sigma=0.9, lo=64, hi=8192):
+    """RL-like response lengths: log-normal (median, sigma) clipped to [lo, hi], drawn until the
+    batch holds `tokens` (the last one cut to fit; dropped if that leaves it under lo)."""
+    r = random.Random(seed)
+    out, total = [], 0
+    while total < tokens:
+        n = min(hi, max(lo, int(round(r.lognormvariate(math.log(median), sigma)))))
+        n = min(n, tokens - total)
+        if n < lo:
+            break
+        out.append(n)
+        total += n
+    return out
+
+
+def short_lengths(seed=0, count=64, lo=64, hi=1024):
+    r = random.Random(seed)
+    return [r.randint(lo, hi) for _ in range(count)]
+
+
+def batches(kind, seed):
+    """(label, lengths, heads) per batch."""
+    uniform = [(f"{b}x{s} H{h}", [s] * b, h) for b, s, h in SHAPES]
+    ragged = [
+        (f"RL-ragged {sum(rl_ragged_lengths(seed))} tok H16", rl_ragged_lengths(seed), 16),
+        (f"RL-ragged {sum(rl_ragged_lengths(seed))} tok H128", rl_ragged_lengths(seed), 128),
+        (f"64 short {sum(short_lengths(seed))} tok H16", short_lengths(seed), 16),
+    ]
+    if kind == "quick":
+        return [(f"{b}x{s} H{h}", [s] * b, h) for b, s, h in QUICK_SHAPES] + [
+            ("RL-ragged 8k tok H16", rl_ragged_lengths(seed, tokens=8192), 16)
+        ]
+    return {"uniform": uniform, "ragged": ragged, "all": uniform + ragged}[kind]
+
+
 def time_cuda(fn, reps, warmup=3):
     """Median device time of fn() in seconds (verl_ops.timing: CUDA events, launch overhead hidden)."""
     return device_time(lambda i: fn(), torch.device("cuda"), n=reps, warmup=warmup)
@@ -66,17 +112,28 @@ def matmul_tflops(reps):
     return 2 * n**3 / t / 1e12
 
 
-def flops(batch, seqlen, heads):
-    s2 = batch * seqlen * seqlen * heads
+def flops(lengths, heads):
+    s2 = sum(n * n for n in lengths) * heads
     return s2 * (DQK + DV), s2 * (4 * DQK + 3 * DV)
+
+
+def fa4_varlen():
+    """FlashAttention-4's varlen function, or None when flash-attn-4 is not importable."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except Exception:  # not installed, or its CUDA DSL cannot load
+        return None
+    return flash_attn_varlen_func
 
 
 # --------------------------------------------------------------------------------------------
 # Methods: each returns out [T, H, Dv] from (q, k, v) that may require grad.
 
 
-def make_methods(batch, seqlen, heads, cu, scale):
-    t = batch * seqlen
+def make_methods(lengths, heads, cu, scale):
+    t, seqlen = sum(lengths), max(lengths)
+    batch = len(lengths)
+    uniform = all(n == seqlen for n in lengths)
 
     def ours(backend):
         return lambda q, k, v: verl_ops.mla_forward_padded(
@@ -112,26 +169,42 @@ def make_methods(batch, seqlen, heads, cu, scale):
 
         return f
 
-    return {
+    fa4 = fa4_varlen()
+
+    def fa4_call(q, k, v):
+        if fa4 is None:
+            raise RuntimeError("flash-attn-4 is not importable (pip install flash-attn-4; see benchmarks/fa4_setup.sh)")
+        r = fa4(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=seqlen, max_seqlen_k=seqlen,
+                softmax_scale=scale, causal=True)
+        return r[0] if isinstance(r, tuple) else r
+
+    methods = {
         "ours padded": (ours("padded"), None),
         "ours native": (ours("native"), None),
+        "ours varlen": (ours("varlen"), None),
         "ours auto": (ours("auto"), None),
         "megatron path": (megatron, None),
+        "fa4 varlen": (fa4_call, None),
         "aten cudnn varlen": (cudnn_varlen, 3),
         "aten efficient": (efficient, None),
-        "sdpa flash": (dense("flash"), None),
-        "sdpa efficient": (dense("efficient"), None),
-        "sdpa cudnn": (dense("cudnn"), None),
     }
+    if uniform:
+        methods.update({
+            "sdpa flash": (dense("flash"), None),
+            "sdpa efficient": (dense("efficient"), None),
+            "sdpa cudnn": (dense("cudnn"), None),
+        })
+    return methods
 
 
-def reference_tail(q, k, v, seqlen, scale, rows=128):
-    """float32 attention of the last `rows` queries of the last sequence: [rows, H, Dv]."""
-    t = q.shape[0]
-    s0 = t - seqlen
-    qs = q[t - rows :].float().transpose(0, 1)
-    ks = k[s0:].float().transpose(0, 1)
-    vs = v[s0:].float().transpose(0, 1)
+def reference_tail(q, k, v, s0, seqlen, scale, rows=128):
+    """float32 attention of the last `rows` queries of the sequence at rows [s0, s0 + seqlen):
+    [rows, H, Dv]."""
+    rows = min(rows, seqlen)
+    end = s0 + seqlen
+    qs = q[end - rows : end].float().transpose(0, 1)
+    ks = k[s0:end].float().transpose(0, 1)
+    vs = v[s0:end].float().transpose(0, 1)
     scores = scale * qs @ ks.transpose(1, 2)
     i = torch.arange(seqlen - rows, seqlen, device=q.device).unsqueeze(1)
     j = torch.arange(seqlen, device=q.device).unsqueeze(0)
@@ -139,17 +212,22 @@ def reference_tail(q, k, v, seqlen, scale, rows=128):
     return (scores.softmax(-1) @ vs).transpose(0, 1)
 
 
-def run_shape(batch, seqlen, heads, reps, floor, gen):
-    t = batch * seqlen
+def run_batch(label, lengths, heads, reps, floor, gen):
+    t = sum(lengths)
     scale = 1.0 / math.sqrt(DQK)
     q = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
     k = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
     v = torch.randn(t, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
-    cu = torch.arange(0, t + 1, seqlen, device="cuda", dtype=torch.int32)
-    ref = reference_tail(q, k, v, seqlen, scale)
-    f_fwd, f_all = flops(batch, seqlen, heads)
+    starts = [0]
+    for n in lengths:
+        starts.append(starts[-1] + n)
+    cu = torch.tensor(starts, device="cuda", dtype=torch.int32)
+    longest = max(range(len(lengths)), key=lambda i: lengths[i])
+    ref = reference_tail(q, k, v, starts[longest], lengths[longest], scale)
+    ref_end = starts[longest] + lengths[longest]
+    f_fwd, f_all = flops(lengths, heads)
     rows = []
-    for name, (fn, rep_cap) in make_methods(batch, seqlen, heads, cu, scale).items():
+    for name, (fn, rep_cap) in make_methods(lengths, heads, cu, scale).items():
         n = min(reps, rep_cap) if rep_cap else reps
         row = {"method": name}
         try:
@@ -158,7 +236,7 @@ def run_shape(batch, seqlen, heads, reps, floor, gen):
             torch.cuda.synchronize()
             if tuple(out.shape) != (t, heads, DV):
                 raise RuntimeError(f"output shape {tuple(out.shape)}")
-            err = float((out[t - ref.shape[0] :].float() - ref).norm() / ref.norm())
+            err = float((out[ref_end - ref.shape[0] : ref_end].float() - ref).norm() / ref.norm())
             row["rel_err"] = err
             if not err < 2e-2:
                 raise RuntimeError(f"output mismatch: relative error {err:.3g}")
@@ -184,7 +262,7 @@ def run_shape(batch, seqlen, heads, reps, floor, gen):
             if os.environ.get("BENCH_MLA_TRACE"):
                 traceback.print_exc()
         rows.append(row)
-        print(fmt_row(f"{batch}x{seqlen} H{heads}", row, floor), flush=True)
+        print(fmt_row(label, row, floor), flush=True)
     return rows
 
 
@@ -200,7 +278,7 @@ def fmt_row(shape, r, floor):
 
 
 HEADER = [
-    "| shape (B x S, heads) | method | fwd ms | fwd TFLOP/s (of floor) | fwd+bwd ms | fwd+bwd TFLOP/s (of floor) | rel err |",
+    "| batch | method | fwd ms | fwd TFLOP/s (of floor) | fwd+bwd ms | fwd+bwd TFLOP/s (of floor) | rel err |",
     "|---|---|---|---|---|---|---|",
 ]
 
@@ -212,16 +290,23 @@ def summary(results):
         base = by.get("megatron path")
         if not base:
             continue
-        for m in ("ours padded", "ours native", "ours auto"):
+        for m in ("ours padded", "ours native", "ours varlen", "ours auto", "fa4 varlen"):
             if m in by:
                 lines.append(
                     f"- {shape}: {m} vs megatron path: forward {base['fwd_s'] / by[m]['fwd_s']:.2f}x, "
                     f"fwd+bwd {base['all_s'] / by[m]['all_s']:.2f}x"
                 )
+        peer = by.get("fa4 varlen")
+        for m in ("ours varlen", "ours auto"):
+            if peer and m in by:
+                lines.append(
+                    f"- {shape}: {m} vs fa4 varlen: forward {peer['fwd_s'] / by[m]['fwd_s']:.2f}x, "
+                    f"fwd+bwd {peer['all_s'] / by[m]['all_s']:.2f}x"
+                )
     return lines
 
 
-PLOT_METHODS = ("megatron path", "ours padded", "ours native", "ours auto", "sdpa cudnn", "aten efficient")
+PLOT_METHODS = ("megatron path", "ours padded", "ours native", "ours varlen", "ours auto", "fa4 varlen", "sdpa cudnn")
 
 
 def plot(results, floor, path):
@@ -257,7 +342,7 @@ def parse_markdown(path):
         if "matmul floor" in line:
             floor = float(line.split(":")[-1].split()[0])
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not line.startswith("|") or len(cells) != 7 or not cells[0][:1].isdigit() or "error" in cells[2]:
+        if not line.startswith("|") or len(cells) != 7 or cells[0].startswith(("shape", "---")) or "error" in cells[2]:
             continue
         row = {"method": cells[1], "fwd_tflops": float(cells[3].split()[0])}
         if cells[5][:1].isdigit():
@@ -270,7 +355,9 @@ def parse_markdown(path):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--quick", action="store_true", help="two small shapes, few repeats")
+    p.add_argument("--quick", action="store_true", help="two small shapes and an 8k-token ragged batch, few repeats")
+    p.add_argument("--batches", choices=("all", "uniform", "ragged"), default="all",
+                   help="which batches: the uniform shapes, the ragged batches of issue 10, or both")
     p.add_argument("--reps", type=int, default=None, help="timed repeats per method (default 30; quick 5)")
     p.add_argument("--out", default=None, help="write a markdown section here")
     p.add_argument("--seed", type=int, default=0)
@@ -292,11 +379,17 @@ def main(argv=None):
     floor = matmul_tflops(reps)
     dev = torch.cuda.get_device_name()
     print(f"device {dev}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16 matmul floor {floor:.0f} TFLOP/s")
+    print(f"fa4 varlen: {'flash-attn-4 importable' if fa4_varlen() else 'flash-attn-4 not importable'}")
+    todo = batches("quick" if args.quick else args.batches, args.seed)
+    for label, lengths, heads in todo:
+        if len(set(lengths)) > 1:
+            print(f"{label}: {len(lengths)} sequences, lengths {lengths}")
     print("\n".join(HEADER))
     results = []
-    for batch, seqlen, heads in QUICK_SHAPES if args.quick else SHAPES:
-        rows = run_shape(batch, seqlen, heads, reps, floor, gen)
-        results.append((f"{batch}x{seqlen} H{heads}", rows))
+    for label, lengths, heads in todo:
+        rows = run_batch(label, lengths, heads, reps, floor, gen)
+        results.append((label, rows))
+    print(f"varlen plan cache: {verl_ops.mla_cache_info()}")
     lines = summary(results)
     print("\n".join(lines))
     if args.out:
@@ -305,6 +398,9 @@ def main(argv=None):
             f.write(f"- date: {datetime.date.today()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}\n")
             f.write(f"- command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`\n")
             f.write(f"- bf16 matmul floor (8192^3, same run): {floor:.0f} TFLOP/s\n")
+            for label, lengths, heads in todo:
+                if len(set(lengths)) > 1:
+                    f.write(f"- {label}: {len(lengths)} sequences, lengths {lengths}\n")
             f.write("- causal FLOPs: fwd = H*S^2*(Dqk+Dv), fwd+bwd = H*S^2*(4*Dqk+3*Dv) per sequence; Dqk=192, Dv=128, bf16\n\n")
             f.write("\n".join(HEADER) + "\n")
             for shape, rows in results:

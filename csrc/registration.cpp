@@ -3,7 +3,7 @@
 // Bound through the LibTorch stable ABI (TORCH_TARGET_VERSION 2.9): one binary works under every
 // later torch of its CUDA major. That ABI has no str arguments at 2.9, so enumerations are ints
 // (as aten's `int reduction`): cp_layout 0 = zigzag, 1 = contiguous; backend 0 = auto,
-// 1 = padded, 2 = native. The Python API takes the names. Fake (Meta) kernels and autograd are
+// 1 = padded, 2 = native, 3 = varlen. The Python API takes the names. Fake (Meta) kernels and autograd are
 // registered from Python (verl_ops/_fake.py and the op modules).
 #include "ops/jagged_ops.h"
 #include "ops/mla_ops.h"
@@ -66,7 +66,7 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
   // THD attention for MLA head dims: q, k [T, H, Dqk], v [Tk, Hk, Dv] with Dv <= Dqk; equal to
   // attention with v zero-padded to Dqk and the output trimmed to Dv. Returns out [Tq, Hq, Dv]
   // and softmax_lse [Hq, Tq] (float32; float64 for float64 inputs). backend: 0 auto, 1 padded,
-  // 2 native.
+  // 2 native, 3 varlen (cuDNN on the packed rows; in builds with the cuDNN frontend).
   m.def(
       "mla_forward_padded(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, "
       "SymInt max_seqlen_q, SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, "
@@ -76,6 +76,9 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
       "Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, SymInt max_seqlen_q, "
       "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, int backend=0) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // The varlen backend's plan cache: int64 [6] {compiled, size, hits, misses, builds, failures}
+  // (`like`: any CPU tensor).
+  m.def("mla_cache_info(Tensor like) -> Tensor");
   // --- end mla_forward_padded ---
 }
 
@@ -92,6 +95,7 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   // mla
   m.impl("mla_forward_padded", VERL_BOX(&verl_ops::ops::mla_forward_padded_cpu));
   m.impl("mla_backward_padded", VERL_BOX(&verl_ops::ops::mla_backward_padded_cpu));
+  m.impl("mla_cache_info", VERL_BOX(&verl_ops::ops::mla_cache_info));
 }
 
 #ifdef VERL_OPS_WITH_CUDA
@@ -106,5 +110,7 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   // mla
   m.impl("mla_forward_padded", VERL_BOX(&verl_ops::ops::mla_forward_padded_cuda));
   m.impl("mla_backward_padded", VERL_BOX(&verl_ops::ops::mla_backward_padded_cuda));
+  // mla_cache_info reads host counters: on CUDA it only reports that `like` must be a CPU tensor.
+  m.impl("mla_cache_info", VERL_BOX(&verl_ops::ops::mla_cache_info));
 }
 #endif

@@ -440,6 +440,7 @@ def test_meta_cases_cover_every_public_function():
         "DynamicCPPlan": "the result of plan_dynamic_cp",
         "plan_dynamic_cp": "decides from the lengths' values: host lengths only (see META_HOST_CASES)",
         "__version__": "a string",
+        "mla_cache_info": "process-wide counters of the varlen plan cache, read on the host; no tensor arguments",
     }
     covered = {c[0].split("-")[0].split(".")[0] for c in META_CASES}
     missing = [n for n in verl_ops.__all__ if n not in covered and n not in host_only]
@@ -737,7 +738,8 @@ def test_arguments(case, device):
 def test_every_public_function_has_bad_input_cases():
     """Each name of verl_ops.__all__ that takes arguments appears in some case of this file."""
     ops_named = {c.op.split(".")[0] for c in LENGTH_CASES + NESTED_CASES + PLAIN_CASES + META_HOST_CASES + ARG_CASES}
-    no_arguments = {"cuda_available", "__version__", "DynamicCPPlan"}  # DynamicCPPlan: plan_dynamic_cp's result
+    # DynamicCPPlan: plan_dynamic_cp's result. mla_cache_info: its raw op's `like` has raw cases.
+    no_arguments = {"cuda_available", "__version__", "DynamicCPPlan", "mla_cache_info"}
     missing = [n for n in verl_ops.__all__ if n not in ops_named and n not in no_arguments]
     assert not missing, missing
 
@@ -746,7 +748,7 @@ def test_every_public_function_has_bad_input_cases():
 # 5. Raw ops (torch.ops.verl_ops.*), against the ported signatures.
 
 CP_LAYOUT_NAMES = ("zigzag", "contiguous")
-BACKEND_NAMES = ("auto", "padded", "native")
+BACKEND_NAMES = ("auto", "padded", "native", "varlen")
 
 
 def _raw_layout(d, cp=2, cp_layout="zigzag", lengths=(3, 5)):
@@ -1008,7 +1010,7 @@ RAW_CASES = [
     Case("raw-router_topk_scatter-meta_cp_size_2**62+1", "router_topk_scatter", "cp_size", RT,
          lambda d: _raw_scatter("meta", cp_size=2**62 + 1, cp_layout=1), devices="cpu"),
     # mla_forward_padded / mla_backward_padded
-    Case("raw-mla_forward_padded-backend_3", "mla_forward_padded", "backend", RT, lambda d: _raw_mla(d, backend=3)),
+    Case("raw-mla_forward_padded-backend_4", "mla_forward_padded", "backend", RT, lambda d: _raw_mla(d, backend=4)),
     Case("raw-mla_forward_padded-backend_-1", "mla_forward_padded", "backend", RT, lambda d: _raw_mla(d, backend=-1)),
     Case("raw-mla_forward_padded-max_seqlen_q_-1", "mla_forward_padded", "max_seqlen_q", RT,
          lambda d: _raw_mla(d, max_q=-1)),
@@ -1064,6 +1066,11 @@ RAW_CASES = [
          lambda d: _raw_mla_bwd(d, grad=torch.zeros(8, 2, 4, dtype=mla_dtype(d), device=d))),
     Case("raw-mla_backward_padded-softmax_lse_shape", "mla_backward_padded", "softmax_lse", RT,
          lambda d: _raw_mla_bwd(d, lse=torch.zeros(8, 2, device=d))),
+    # mla_cache_info: host counters, returned on the CPU only.
+    Case("raw-mla_cache_info-like_meta", "mla_cache_info", "like", RT,
+         lambda d: ops.mla_cache_info(torch.empty(0, device="meta")), "CPU", devices="cpu"),
+    Case("raw-mla_cache_info-like_device", "mla_cache_info", "like", RT,
+         lambda d: ops.mla_cache_info(torch.empty(0, device="meta" if d == "cpu" else d)), "CPU"),
 ]
 
 @pytest.mark.parametrize("case, device", params(RAW_CASES))

@@ -403,7 +403,7 @@ def test_bad_input_raw_op(over, pattern):
 
 def test_bad_input_backend_and_scale():
     c = make_case([3, 4], seed=0)
-    with pytest.raises(RuntimeError, match=r"mla_forward_padded: backend must be 0 \(auto\), 1 \(padded\) or 2 \(native\), got 7"):
+    with pytest.raises(RuntimeError, match=r"mla_forward_padded: backend must be 0 \(auto\), 1 \(padded\), 2 \(native\) or 3 \(varlen\), got 7"):
         OPS.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 4, 4, True, None, 7)
     with pytest.raises(ValueError, match="mla_forward_padded: backend must be one of"):
         run(c, backend="fast")

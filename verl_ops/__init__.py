@@ -9,7 +9,7 @@ import torch  # noqa: F401  (loads libtorch before our extension)
 from . import _library  # noqa: F401  (loads _C, and _C_layers under torch >= 2.10)
 from . import _fake  # noqa: F401  (fake / Meta kernels)
 from ._jagged import jagged_gather, jagged_scatter
-from ._mla import mla_forward_padded
+from ._mla import mla_cache_info, mla_forward_padded
 from ._thd import postprocess_thd, preprocess_thd
 from .dynamic_cp import DynamicCPGroups, DynamicCPPlan, dynamic_cp_merge, dynamic_cp_split, plan_dynamic_cp
 from .layout import ThdLayout
@@ -31,6 +31,7 @@ __all__ = [
     "merge_router_topk",
     "scatter_router_topk",
     "mla_forward_padded",
+    "mla_cache_info",
     "cuda_available",
     "__version__",
 ]

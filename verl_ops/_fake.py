@@ -244,7 +244,28 @@ def _router_topk_scatter_fake(routes, cu_seqlens, cu_seqlens_padded, local_rows,
 # Mirrors csrc/ops/mla_ops.cpp: the shapes where backend=auto picks the native path (Dqk, Dv,
 # min max_seqlen, min query rows x heads).
 _AUTO_NATIVE = ((192, 128, 1024, 16 * 1024 * 16),)
-_MLA_BACKENDS = ("auto", "padded", "native")
+# Mirrors kAutoVarlen in csrc/ops/mla_ops.cpp: the head dims where backend=auto sends batches that
+# are not uniform to the varlen backend (Dqk, Dv, min query rows x heads), where _varlen_auto holds.
+_AUTO_VARLEN = ((192, 128, 0), (64, 64, 0), (128, 128, 0), (192, 192, 0), (256, 256, 0))
+_MLA_BACKENDS = ("auto", "padded", "native", "varlen")
+# Whether this build has the varlen backend, read once at import (_C is loaded by then): the fake
+# kernels run under fake / functional modes, where calling an op would not return real values.
+try:
+    _VARLEN_BUILT = bool(torch.ops.verl_ops.mla_cache_info(torch.empty(0))[0])
+except (AttributeError, RuntimeError):  # a module built before the op existed
+    _VARLEN_BUILT = False
+_VARLEN_DEVICES = {}
+
+
+def _varlen_auto(device: torch.device) -> bool:
+    """Mirrors prepare_mla's varlen_auto: the build has the varlen backend and `device` is a CUDA
+    device of compute capability 9.x."""
+    if device.type != "cuda" or not _VARLEN_BUILT:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _VARLEN_DEVICES:
+        _VARLEN_DEVICES[index] = torch.cuda.get_device_capability(index)[0] == 9
+    return _VARLEN_DEVICES[index]
 
 
 def _shares_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -294,12 +315,12 @@ def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
     return tq, tk, hq, hk, dqk, dv, cu_q.shape[0] - 1
 
 
-def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets) -> str:
-    """Mirrors resolve_mla_backend in csrc/ops/mla_ops.cpp (shapes only)."""
-    _check(backend in (0, 1, 2), op, f"backend must be 0 (auto), 1 (padded) or 2 (native), got {backend}")
+def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets, varlen_auto) -> str:
+    """Mirrors resolve_mla_backend in csrc/ops/mla_ops.cpp (shapes, and varlen_auto for auto)."""
+    _check(backend in (0, 1, 2, 3), op, f"backend must be 0 (auto), 1 (padded), 2 (native) or 3 (varlen), got {backend}")
     name = _MLA_BACKENDS[backend]
-    if name == "padded":
-        return "padded"
+    if name in ("padded", "varlen"):
+        return name
     tq, tk, hq, hk, dqk, dv, batch = sizes
     uniform = batch * max_q == tq and batch * max_kv == tk
     same_heads = hq == hk
@@ -308,6 +329,10 @@ def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets) -> str
     ragged_ok = causal and same_offsets and same_len and tq == tk
     if max_q <= 1 and max_kv <= 1:
         return "padded"
+    if name == "auto" and varlen_auto and not uniform:
+        for r_dqk, r_dv, min_rows_heads in _AUTO_VARLEN:
+            if dqk == r_dqk and dv == r_dv and tq * hq >= min_rows_heads:
+                return "varlen"
     if name == "native":
         _check(uniform or ragged_ok, op, "backend='native' needs a uniform batch or causal self-attention")
         _check(same_heads, op, "backend='native' needs as many k/v heads as q heads")
@@ -336,7 +361,8 @@ def _mla_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_se
                       softmax_scale=None, backend=0):
     op = "mla_forward_padded"
     s = _mla_sizes(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale)
-    b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal, _shares_offsets(cu_seqlens_q, cu_seqlens_kv))
+    b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), _varlen_auto(q.device))
     tq, tk, hq, hk, dqk, dv, _ = s
     return _mla_rows(q, b, tq, hq, dv, dqk), q.new_empty((hq, tq), dtype=_lse_dtype(q))
 
@@ -357,5 +383,13 @@ def _mla_backward_fake(grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seq
            f"softmax_lse must be a 2-D [Hq, Tq] tensor of dtype {lse_dtype} on q's device")
     torch._check(softmax_lse.shape[0] == hq and softmax_lse.shape[1] == tq,
                  lambda: f"{op}: softmax_lse must be [Hq, Tq] = [{hq}, {tq}]")
-    b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal, _shares_offsets(cu_seqlens_q, cu_seqlens_kv))
+    b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), _varlen_auto(q.device))
     return q.new_empty((tq, hq, dqk)), k.new_empty((tk, hk, dqk)), _mla_rows(v, b, tk, hk, dv, dqk)
+
+
+@torch.library.register_fake("verl_ops::mla_cache_info")
+def _mla_cache_info_fake(like):
+    # Host counters: only a CPU `like` names a device they can be returned on.
+    _check(like.device.type == "cpu", "mla_cache_info", f"like must be a CPU tensor, got one on {like.device}")
+    return like.new_empty((6,), dtype=torch.int64)

@@ -11,7 +11,9 @@ from ._validate import INT32_MAX, as_bool, as_int, check_plain, is_meta
 
 _ops = torch.ops.verl_ops
 
-BACKENDS = ("auto", "padded", "native")
+BACKENDS = ("auto", "padded", "native", "varlen")
+
+_CACHE_FIELDS = ("available", "size", "hits", "misses", "builds", "failures")
 
 
 def _setup_context(ctx, inputs, output):
@@ -102,8 +104,16 @@ def mla_forward_padded(
             kernels of torch), ``"native"`` (cuDNN attention with ``Dv != Dqk``: batches whose
             sequences all have the same length, or ragged causal self-attention batches that pass
             one tensor as both ``cu_seqlens_q`` and ``cu_seqlens_kv``, copied into right-padded
-            dense rows), or ``"auto"`` (native where it measured faster, see the README; else
-            padded). On the CPU every backend runs the same exact reference.
+            dense rows), ``"varlen"`` (cuDNN's fused attention on the packed rows themselves,
+            through graphs of the cuDNN frontend: any lengths including 0, ragged batches, q and kv
+            offsets that differ, grouped heads, ``Dv != Dqk``; no padded copies and no host read of
+            the lengths; a graph is built once per bucket of shapes, see :func:`mla_cache_info`, so
+            the first call of a bucket is slow and later ones are not; CUDA-graph capturable once
+            the bucket's forward and backward ran eagerly; present in builds made with the
+            ``nvidia-cudnn-frontend`` headers, else asking for it on CUDA raises), or ``"auto"``
+            (from GPU measurements, see the README: on Hopper, in builds with ``varlen``, batches
+            that are not uniform run ``varlen``; uniform ones native where it measured faster;
+            else padded). On the CPU every backend runs the same exact reference.
         validate: check the offsets against the data on the host. Default: on when the offsets
             are CPU tensors; CUDA offsets are only checked with ``validate=True`` (a host sync),
             as in FlashAttention. Meta offsets (shape inference) are never read.
@@ -153,3 +163,24 @@ def mla_forward_padded(
         BACKENDS.index(backend),
     )
     return out
+
+
+def mla_cache_info() -> dict:
+    """Counters of the ``backend="varlen"`` plan cache of :func:`mla_forward_padded`.
+
+    cuDNN graphs are built per bucket of shapes: the batch size rounded up to a power of two (the
+    extra sequences have length 0), ``max_seqlen_q`` / ``max_seqlen_kv`` rounded up to a power of
+    two (at least 64), and, for the backward, the token totals rounded up in quarter-octave steps
+    (they size its workspace); plus dtype, heads, head dims, causal, softmax scale, device and the
+    calling thread (each thread has its own cuDNN handle). In a steady training run ``builds``
+    stops growing.
+
+    Returns:
+        ``{"available": bool, "size": int, "hits": int, "misses": int, "builds": int,
+        "failures": int}``: whether this build has the varlen backend, the cached plans, lookups
+        that found a plan, lookups that did not, graphs built, and builds cuDNN refused.
+    """
+    values = _ops.mla_cache_info(torch.empty(0)).tolist()
+    info = dict(zip(_CACHE_FIELDS, values))
+    info["available"] = bool(info["available"])
+    return info

@@ -6,6 +6,9 @@
 #include <string>
 
 #include "../cpu/mla_kernels.h"
+#ifdef VERL_OPS_WITH_CUDNN_FE
+#include "../cuda/mla_cudnn_varlen.h"
+#endif
 
 namespace verl_ops {
 namespace ops {
@@ -67,6 +70,21 @@ struct AutoNativeRule {
   int64_t min_rows_heads;   // and at least this many query rows x query heads
 };
 constexpr std::array<AutoNativeRule, 1> kAutoNative{{{192, 128, 1024, 16 * 1024 * 16}}};
+
+// Head dims where "auto" sends batches that are not uniform (ragged lengths, or q / kv lengths
+// that differ) to the varlen backend, on devices where varlen_auto holds (the build has the
+// backend and the device is one it was measured on: Hopper). The padded path pays for the V
+// padding and torch's FlashAttention-2, the native path for dense padding of every sequence to
+// max_seqlen; varlen pays for neither (issue 10: FlashAttention-4's varlen kernel, the same kind
+// of kernel, ran 2.5x the padded path on RL-ragged batches). min_rows_heads: query rows x query
+// heads below which the fixed cost of a cuDNN launch sequence is not worth it (to be set from
+// GPU measurements; 0 = every ragged batch). verl_ops/_fake.py (_AUTO_VARLEN) mirrors this table.
+struct AutoVarlenRule {
+  int64_t dqk, dv;
+  int64_t min_rows_heads;
+};
+constexpr std::array<AutoVarlenRule, 5> kAutoVarlen{
+    {{192, 128, 0}, {64, 64, 0}, {128, 128, 0}, {192, 192, 0}, {256, 256, 0}}};
 
 }  // namespace
 
@@ -143,11 +161,14 @@ bool shares_offsets(const Tensor& a, const Tensor& b) {
 
 MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-                               bool same_offsets) {
+                               bool same_offsets, bool varlen_auto) {
   VERL_CHECK(backend == kMlaBackendAuto || backend == kMlaBackendPadded ||
-                 backend == kMlaBackendNative,
-             op, ": backend must be 0 (auto), 1 (padded) or 2 (native), got ", backend);
+                 backend == kMlaBackendNative || backend == kMlaBackendVarlen,
+             op, ": backend must be 0 (auto), 1 (padded), 2 (native) or 3 (varlen), got ", backend);
   if (backend == kMlaBackendPadded) return MlaBackend::kPadded;
+  // varlen takes every batch shape: ragged, unequal q / kv lengths, grouped heads (head-dim limits
+  // are cuDNN's, checked on the device).
+  if (backend == kMlaBackendVarlen) return MlaBackend::kVarlen;
   // The native path (cuDNN SDPA, which takes Dv != Dqk) runs dense [B, H, S, D] attention:
   // - a uniform batch (every sequence max_seqlen long; with max_seqlen >= every length,
   //   B * max_seqlen == T holds exactly then) is a zero-copy view of the THD rows;
@@ -165,6 +186,13 @@ MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& 
   const bool ragged_ok = causal && same_offsets && same_len && s.tq == s.tk;
   // cuDNN rejects s_q = s_kv = 1; a batch of single tokens is trivial for the padded path.
   if (max_seqlen_q <= 1 && max_seqlen_kv <= 1) return MlaBackend::kPadded;
+  if (backend == kMlaBackendAuto && varlen_auto && !uniform) {
+    for (const AutoVarlenRule& r : kAutoVarlen) {
+      if (s.dqk == r.dqk && s.dv == r.dv && Wide{s.tq} * s.hq >= r.min_rows_heads) {
+        return MlaBackend::kVarlen;
+      }
+    }
+  }
   if (backend == kMlaBackendNative) {
     VERL_CHECK(uniform || ragged_ok, op,
                ": backend='native' needs a uniform batch (every sequence of length max_seqlen, "
@@ -224,10 +252,32 @@ MlaCall prepare_mla(const char* op, MlaDevice device, const Tensor& q, const Ten
   if (backward != nullptr) {
     check_mla_backward_args(op, backward->grad_out, backward->out, backward->softmax_lse, q, c.s);
   }
+  // auto may pick varlen only on CUDA devices it was measured on, in builds that have it.
+  bool varlen_auto = false;
+#ifdef VERL_OPS_WITH_CUDNN_FE
+  varlen_auto = device == MlaDevice::kCuda && cuda::varlen_auto_device(q.get_device_index());
+#endif
   c.backend = resolve_mla_backend(op, backend, c.s, max_seqlen_q, max_seqlen_kv, causal,
-                                  shares_offsets(cu_seqlens_q, cu_seqlens_kv));
+                                  shares_offsets(cu_seqlens_q, cu_seqlens_kv), varlen_auto);
   c.scale = mla_softmax_scale(softmax_scale, c.s.dqk);
   return c;
+}
+
+Tensor mla_cache_info(const Tensor& like) {
+  VERL_CHECK(like.is_cpu(), "mla_cache_info: like must be a CPU tensor, got one on ",
+             st::device_of(like));
+  Tensor info = st::zeros(like, {6}, st::kLong);
+#ifdef VERL_OPS_WITH_CUDNN_FE
+  const cuda::VarlenCacheStats s = cuda::varlen_cache_stats();
+  int64_t* p = st::ptr<int64_t>(info);
+  p[0] = 1;
+  p[1] = s.size;
+  p[2] = s.hits;
+  p[3] = s.misses;
+  p[4] = s.builds;
+  p[5] = s.failures;
+#endif
+  return info;
 }
 
 // ---------------------------------------------------------------------------------------------

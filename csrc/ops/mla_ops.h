@@ -4,12 +4,14 @@
 // Python (verl_ops/_fake.py) and mirror the checks and the layout rule below.
 //
 // Output layout rule (what the fake kernels must mirror):
-//   backend = resolve_mla_backend(...)  (a function of the shapes, causal and shares_offsets only)
+//   backend = resolve_mla_backend(...)  (a function of the shapes, causal, shares_offsets and,
+//             for backend=auto, varlen_auto: whether the build has the varlen backend and q's
+//             device is a CUDA device of compute capability 9.x)
 //   if backend == kPadded and Dv < Dqk:
 //     out    [Tq, Hq, Dv] is out_buf[:, :, :Dv] of a fresh contiguous [Tq, Hq, Dqk] buffer
 //            (strides (Hq * Dqk, Dqk, 1), storage offset 0);
 //     grad_v [Tk, Hk, Dv] is likewise the [.., :Dv] view of a contiguous [Tk, Hk, Dqk] buffer;
-//   otherwise (native, or Dv == Dqk): out / grad_v are contiguous [T, H, Dv].
+//   otherwise (native, varlen, or Dv == Dqk): out / grad_v are contiguous [T, H, Dv].
 //   softmax_lse is a contiguous [Hq, Tq] (float32; float64 for float64 inputs, CPU only);
 //   grad_q [Tq, Hq, Dqk] and grad_k [Tk, Hk, Dqk] are always contiguous.
 // This holds on every device (the CPU runs one reference for all backends but returns the chosen
@@ -28,10 +30,13 @@ namespace ops {
 using st::Tensor;
 
 // The raw ops' int backend argument (the stable ABI has no str at 2.9; Python maps the names).
-enum class MlaBackend { kPadded, kNative };
+// varlen: cuDNN's SDPA on the packed rows through the cuDNN frontend (csrc/cuda/mla_cudnn_varlen.h),
+// compiled only where setup.py found the frontend's headers (VERL_OPS_WITH_CUDNN_FE).
+enum class MlaBackend { kPadded, kNative, kVarlen };
 constexpr int64_t kMlaBackendAuto = 0;
 constexpr int64_t kMlaBackendPadded = 1;
 constexpr int64_t kMlaBackendNative = 2;
+constexpr int64_t kMlaBackendVarlen = 3;
 
 // Sizes of a checked call.
 struct MlaSizes {
@@ -48,13 +53,14 @@ MlaSizes check_mla_args(const char* op, const Tensor& q, const Tensor& k, const 
 void check_mla_backward_args(const char* op, const Tensor& grad_out, const Tensor& out,
                              const Tensor& softmax_lse, const Tensor& q, const MlaSizes& s);
 
-// The backend a call runs on (backend: 0 auto, 1 padded, 2 native). A function of the shapes
-// only, so the fake kernel knows the output layout (see the rule at the top of this file).
-// same_offsets: q and kv use one cu_seqlens tensor (self-attention, as Megatron passes it),
-// which lets the native backend take ragged causal batches (see shares_offsets).
+// The backend a call runs on (backend: 0 auto, 1 padded, 2 native, 3 varlen). A function of the
+// shapes and of varlen_auto only, so the fake kernel knows the output layout (see the rule at the
+// top of this file). same_offsets: q and kv use one cu_seqlens tensor (self-attention, as Megatron
+// passes it), which lets the native backend take ragged causal batches (see shares_offsets).
+// varlen_auto: auto may choose the varlen backend (for batches that are not uniform).
 MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-                               bool same_offsets);
+                               bool same_offsets, bool varlen_auto);
 
 // True when a and b are the same offsets: the same first element (data pointer), shape, strides
 // and dtype (no storage API on the stable ABI; the fake kernel compares storage and offset, which
@@ -103,6 +109,11 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cpu(
     const Tensor& softmax_lse, const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv,
     int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal, std::optional<double> softmax_scale,
     int64_t backend);
+
+// The varlen backend's plan cache: int64 [6] CPU tensor {compiled (1 when this build has the
+// backend), size, hits, misses, builds, failed builds}. `like` is any CPU tensor (the op needs one
+// tensor argument to dispatch).
+Tensor mla_cache_info(const Tensor& like);
 
 #ifdef VERL_OPS_WITH_CUDA
 std::tuple<Tensor, Tensor> mla_forward_padded_cuda(

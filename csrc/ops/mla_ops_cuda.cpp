@@ -14,6 +14,11 @@
 //   form keeps its cuDNN graph in a cache keyed by shape; torch's ragged (cum_seq) form rebuilds
 //   the whole cuDNN graph on every call in torch 2.11 (its cache lookup never inserts), which is
 //   where its ~40 ms per call comes from, so it is deliberately not used here.
+// varlen: cuDNN's SDPA on the packed THD rows themselves (ragged offsets, a padding mask from the
+//   per-sequence lengths, Dv != Dqk), through graphs of the cuDNN frontend kept in a plan cache
+//   keyed by bucketed shapes (csrc/cuda/mla_cudnn_varlen.h). No padded copies, no host read of the
+//   lengths: one metadata launch turns cu_seqlens into lengths and element offsets on the device.
+//   Compiled only where setup.py found the frontend (VERL_OPS_WITH_CUDNN_FE).
 //
 // Stable ABI (target 2.9): aten ops go through the dispatcher (st::call_aten) with Tensor / int /
 // float / bool / optional arguments only (and, at 2.9 to 2.11, only ops whose returns read the same
@@ -23,6 +28,7 @@
 // of the ragged backward come from aten::diff.
 #include <array>
 #include <cstddef>
+#include <cstdint>
 #include <initializer_list>
 #include <limits>
 #include <optional>
@@ -32,6 +38,9 @@
 #include <torch/csrc/inductor/aoti_torch/generated/c_shim_cuda.h>
 
 #include "../cuda/mla_kernels.h"
+#ifdef VERL_OPS_WITH_CUDNN_FE
+#include "../cuda/mla_cudnn_varlen.h"
+#endif
 #include "mla_ops.h"
 #include "thd_ops.h"
 
@@ -247,6 +256,169 @@ std::vector<Tensor> cudnn_backward(const Tensor& grad_out4, const Tensor& q4, co
   return tensor_returns(r, {0, 1, 2});
 }
 
+// ---- varlen backend -------------------------------------------------------------------------
+
+#ifdef VERL_OPS_WITH_CUDNN_FE
+
+// t as cuDNN reads rows: contiguous and 16-byte aligned (a copy only when it is not).
+Tensor cudnn_rows(const Tensor& t) {
+  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
+  Tensor out = st::empty(t, st::sizes_of(t), t.scalar_type());
+  st::copy_into(out, t);
+  return out;
+}
+
+// One call's plan, per-call metadata (lengths and ragged offsets, computed on the device) and
+// stream. `self_attention`: q and kv share their offsets, so every query sees a key and every key
+// a query (no fix-up of empty rows, and the causal diagonal needs no bottom-right alignment).
+struct VarlenCall {
+  cuda::VarlenProblem bucket;
+  const cuda::VarlenPlan* plan = nullptr;
+  Tensor metadata;
+  cuda::VarlenMetadata meta;
+  cudaStream_t stream = nullptr;
+  bool self_attention = false;
+  Tensor cu_q, cu_kv;
+};
+
+VarlenCall prepare_varlen(const char* op, bool backward, const Tensor& q,
+                          const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv,
+                          const MlaSizes& s, int64_t max_seqlen_q, int64_t max_seqlen_kv,
+                          bool causal, double scale) {
+  VERL_CHECK(s.dqk % 8 == 0 && s.dv % 8 == 0 && s.dqk <= 256, op,
+             ": backend='varlen' (cuDNN) needs head dims that are multiples of 8 and at most 256, "
+             "got Dqk=", s.dqk, ", Dv=", s.dv);
+  VarlenCall c;
+  c.cu_q = st::contiguous(cu_seqlens_q);
+  c.cu_kv = st::contiguous(cu_seqlens_kv);
+  c.self_attention = shares_offsets(cu_seqlens_q, cu_seqlens_kv) && s.tq == s.tk &&
+                     max_seqlen_q == max_seqlen_kv;
+  cuda::VarlenProblem p;
+  p.device = q.get_device_index();
+  p.dtype = q.scalar_type() == st::kHalf ? cuda::VarlenDtype::kHalf : cuda::VarlenDtype::kBFloat16;
+  p.backward = backward;
+  p.causal = causal;
+  p.bottom_right = causal && !c.self_attention;
+  p.batch = s.batch;
+  p.hq = s.hq;
+  p.hk = s.hk;
+  p.dqk = s.dqk;
+  p.dv = s.dv;
+  p.max_seqlen_q = max_seqlen_q;
+  p.max_seqlen_kv = max_seqlen_kv;
+  p.total_q = s.tq;
+  p.total_kv = s.tk;
+  p.scale = scale;
+  c.bucket = cuda::varlen_bucket(p);
+  st::int32_arg(op, "the varlen backend's bucketed batch size", c.bucket.batch);
+  c.stream = st::current_stream(q);
+  c.plan = cuda::varlen_plan(op, c.bucket, c.stream);
+  c.metadata = st::empty(
+      q, {static_cast<int64_t>(cuda::varlen_metadata_bytes(c.bucket.batch))}, st::kByte);
+  c.meta = cuda::varlen_metadata_at(c.metadata.data_ptr(), c.bucket.batch);
+  st::check_launch(op, cuda::launch_varlen_metadata(st::ptr<int32_t>(c.cu_q),
+                                                    st::ptr<int32_t>(c.cu_kv), s.batch,
+                                                    c.bucket.batch, s.hq, s.hk, s.dqk, s.dv,
+                                                    c.meta, c.stream));
+  return c;
+}
+
+// The plan's workspace (kept alive by the returned tensor until the call's launches are queued;
+// the caching allocator orders its reuse on the stream).
+std::tuple<Tensor, void*> varlen_workspace(const VarlenCall& c, const Tensor& like) {
+  const int64_t bytes = cuda::varlen_workspace_bytes(c.plan);
+  Tensor ws = st::empty(like, {bytes > 0 ? bytes : 1}, st::kByte);
+  return {ws, bytes > 0 ? ws.data_ptr() : nullptr};
+}
+
+std::tuple<Tensor, Tensor> varlen_forward(const char* op, const Tensor& q, const Tensor& k,
+                                          const Tensor& v, const Tensor& cu_seqlens_q,
+                                          const Tensor& cu_seqlens_kv, const MlaSizes& s,
+                                          int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
+                                          double scale) {
+  const VarlenCall c = prepare_varlen(op, false, q, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
+                                      max_seqlen_kv, causal, scale);
+  const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
+  Tensor out = st::empty(q, {s.tq, s.hq, s.dv}, q.scalar_type());
+  Tensor stats = st::empty(q, {s.tq, s.hq}, st::kFloat);  // [Tq, Hq]: cuDNN's ragged layout
+  const auto [ws, ws_ptr] = varlen_workspace(c, q);
+  cuda::VarlenForwardArgs a;
+  a.q = qc.data_ptr();
+  a.k = kc.data_ptr();
+  a.v = vc.data_ptr();
+  a.out = out.data_ptr();
+  a.stats = st::ptr<float>(stats);
+  a.meta = c.meta;
+  cuda::varlen_forward(op, c.plan, a, ws_ptr, c.stream);
+  if (!c.self_attention) {
+    st::check_launch(op, cuda::launch_varlen_empty_rows_forward(
+                             st::ptr<int32_t>(c.cu_q), st::ptr<int32_t>(c.cu_kv), s.batch, causal,
+                             s.tq, s.hq, s.dv, out.data_ptr(), st::ptr<float>(stats), c.stream));
+  }
+  return {out, st::contiguous(torch::stable::transpose(stats, 0, 1))};
+}
+
+std::tuple<Tensor, Tensor, Tensor> varlen_backward(
+    const char* op, const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
+    const Tensor& cu_seqlens_kv, const MlaSizes& s, int64_t max_seqlen_q, int64_t max_seqlen_kv,
+    bool causal, double scale) {
+  const VarlenCall c = prepare_varlen(op, true, q, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
+                                      max_seqlen_kv, causal, scale);
+  const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
+  const Tensor oc = cudnn_rows(out), gc = cudnn_rows(grad_out);
+  const Tensor stats = cudnn_rows(torch::stable::transpose(softmax_lse, 0, 1));  // [Tq, Hq]
+  Tensor dq = st::empty(q, {s.tq, s.hq, s.dqk}, q.scalar_type());
+  Tensor dk = st::empty(k, {s.tk, s.hk, s.dqk}, k.scalar_type());
+  Tensor dv = st::empty(v, {s.tk, s.hk, s.dv}, v.scalar_type());
+  const auto [ws, ws_ptr] = varlen_workspace(c, q);
+  cuda::VarlenBackwardArgs a;
+  a.q = qc.data_ptr();
+  a.k = kc.data_ptr();
+  a.v = vc.data_ptr();
+  a.out = oc.data_ptr();
+  a.grad_out = gc.data_ptr();
+  a.stats = st::ptr<float>(stats);
+  a.grad_q = dq.data_ptr();
+  a.grad_k = dk.data_ptr();
+  a.grad_v = dv.data_ptr();
+  a.meta = c.meta;
+  cuda::varlen_backward(op, c.plan, a, ws_ptr, c.stream);
+  if (!c.self_attention) {
+    st::check_launch(op, cuda::launch_varlen_empty_rows_backward(
+                             st::ptr<int32_t>(c.cu_q), st::ptr<int32_t>(c.cu_kv), s.batch, causal,
+                             s.tq, s.tk, s.hq, s.hk, s.dqk, s.dv, dq.data_ptr(), dk.data_ptr(),
+                             dv.data_ptr(), c.stream));
+  }
+  return {dq, dk, dv};
+}
+
+#else  // !VERL_OPS_WITH_CUDNN_FE
+
+[[noreturn]] void varlen_missing(const char* op) {
+  st::fail(op,
+           ": backend='varlen' is not in this build of verl_ops: it is compiled only when the cuDNN "
+           "frontend headers are found at build time (pip install nvidia-cudnn-frontend, then "
+           "rebuild verl_ops, e.g. pip install --no-build-isolation -e .; setup.py prints whether it "
+           "found them). Use backend='auto', 'padded' or 'native' meanwhile");
+}
+
+std::tuple<Tensor, Tensor> varlen_forward(const char* op, const Tensor&, const Tensor&,
+                                          const Tensor&, const Tensor&, const Tensor&,
+                                          const MlaSizes&, int64_t, int64_t, bool, double) {
+  varlen_missing(op);
+}
+
+std::tuple<Tensor, Tensor, Tensor> varlen_backward(const char* op, const Tensor&, const Tensor&,
+                                                   const Tensor&, const Tensor&, const Tensor&,
+                                                   const Tensor&, const Tensor&, const Tensor&,
+                                                   const MlaSizes&, int64_t, int64_t, bool,
+                                                   double) {
+  varlen_missing(op);
+}
+
+#endif  // VERL_OPS_WITH_CUDNN_FE
+
 }  // namespace
 
 std::tuple<Tensor, Tensor> mla_forward_padded_cuda(
@@ -266,6 +438,10 @@ std::tuple<Tensor, Tensor> mla_forward_padded_cuda(
     Tensor lse = st::empty(q, {s.hq, s.tq}, st::kFloat);
     torch::stable::fill_(lse, kInf);
     return {out, lse};
+  }
+  if (call.c.backend == MlaBackend::kVarlen) {
+    return varlen_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
+                          max_seqlen_kv, causal, scale);
   }
   const Tensor qc = st::contiguous(q), kc = st::contiguous(k);
   const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
@@ -322,6 +498,10 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cuda(
     torch::stable::zero_(grad_v);
     return {st::zeros(q, {s.tq, s.hq, s.dqk}, q.scalar_type()),
             st::zeros(k, {s.tk, s.hk, s.dqk}, k.scalar_type()), grad_v};
+  }
+  if (call.c.backend == MlaBackend::kVarlen) {
+    return varlen_backward(op, grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_kv, s,
+                           max_seqlen_q, max_seqlen_kv, causal, scale);
   }
   const Tensor qc = st::contiguous(q), kc = st::contiguous(k);
   const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);

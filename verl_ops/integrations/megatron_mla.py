@@ -7,8 +7,9 @@ output is trimmed back — except for the DSA variant (``config.experimental_att
 Megatron-Core >= 0.16.2 fixed the forward upstream, so the patch applies below that version only.
 
 Here the same decisions route the THD core attention to :func:`verl_ops.mla_forward_padded`,
-which pads inside one kernel (or not at all on the native path) and returns the output trimmed
-without an extra copy:
+which pads inside one kernel (or not at all on the native and varlen paths) and returns the output
+trimmed without an extra copy. Its ``backend="auto"`` sends ragged THD batches (RL micro-batches)
+to the varlen backend, cuDNN's attention on the packed rows, where the build and the GPU have it:
 
 - :func:`use_mla_thd_path` — the decision (THD, not DSA, one CP rank, causal, no dropout, no
   separate padded offsets).

@@ -1,0 +1,391 @@
+"""The varlen backend of mla_forward_padded (cuDNN's attention on the packed THD rows, issue 10)
+against a float64 reference written from OPS.md section 6: V zero-padded to Dqk, softmax attention
+per sequence (bottom-right causal diagonal, grouped kv heads), output trimmed to Dv; the log-sum-exp
+of the scaled scores per query row (+inf for a row that sees no key).
+
+CPU: backend="varlen" runs the exact reference; the plan-cache counters; the auto rule's Python
+mirror. GPU (``gpu`` marker): outputs, log-sum-exp and q/k/v gradients within bf16 / fp16 bounds
+on ragged batches (lengths 0, 1, 2, 127, 128, 129, 4096, 8192), causal and not, q / kv lengths that
+differ, grouped heads, Dv != Dqk and Dv == Dqk; the plan cache reused within a bucket; CUDA-graph
+capture and replay of forward + backward; bad input; auto and the Megatron patch on ragged
+batches."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import HAS_CUDA
+
+import verl_ops
+from verl_ops import _fake, mla_cache_info, mla_forward_padded
+
+OPS = torch.ops.verl_ops
+VARLEN_BUILT = mla_cache_info()["available"]
+HOPPER = HAS_CUDA and torch.cuda.get_device_capability()[0] == 9
+needs_varlen = pytest.mark.skipif(not (HAS_CUDA and VARLEN_BUILT), reason="needs CUDA and a build with the varlen backend")
+# Relative (Frobenius) error bounds: bf16 has an 8-bit mantissa (~4e-3 per rounding), fp16 11 bits.
+TOL = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
+EDGE_LENGTHS = [0, 1, 2, 127, 128, 129, 4096, 8192]
+
+
+# --------------------------------------------------------------------------------------------
+# Reference (float64, one sequence and a few heads at a time: 8192^2 scores stay small).
+
+
+def reference(q, k, v, cu_q, cu_kv, causal=True, scale=None, grad_out=None):
+    """out [Tq, Hq, Dv], lse [Hq, Tq] and, given grad_out, (dq, dk, dv), all float64."""
+    hq, dqk = q.shape[1], q.shape[2]
+    hk, dv = k.shape[1], v.shape[2]
+    group = hq // hk
+    scale = 1.0 / math.sqrt(dqk) if scale is None else scale
+    q, k, v = (t.detach().double().requires_grad_(grad_out is not None) for t in (q, k, v))
+    out = q.new_zeros(q.shape[0], hq, dv)
+    lse = q.new_full((hq, q.shape[0]), float("inf"))
+    grads = [torch.zeros_like(t) for t in (q, k, v)]
+    cu_q, cu_kv = [int(x) for x in cu_q], [int(x) for x in cu_kv]
+    heads_per_step = max(1, min(hq, (1 << 26) // max(1, max(_lengths(cu_q)) * max(_lengths(cu_kv)))))
+    for b in range(len(cu_q) - 1):
+        q0, q1, k0, k1 = cu_q[b], cu_q[b + 1], cu_kv[b], cu_kv[b + 1]
+        lq, lk = q1 - q0, k1 - k0
+        if lq == 0 or lk == 0:
+            continue
+        for h0 in range(0, hq, heads_per_step):
+            h1 = min(hq, h0 + heads_per_step)
+            heads = torch.arange(h0, h1, device=q.device)
+            qs = q[q0:q1, h0:h1].transpose(0, 1)  # [h, Lq, Dqk]
+            ks = k[k0:k1, heads // group].transpose(0, 1)
+            vs = F.pad(v[k0:k1, heads // group], (0, dqk - dv)).transpose(0, 1)  # V zero-padded to Dqk
+            scores = scale * qs @ ks.transpose(1, 2)
+            if causal:
+                i = torch.arange(lq, device=q.device).unsqueeze(1)
+                j = torch.arange(lk, device=q.device).unsqueeze(0)
+                scores = scores.masked_fill(j > i + lk - lq, float("-inf"))  # bottom-right diagonal
+            row_lse = torch.logsumexp(scores, dim=-1)  # -inf where a row sees no key
+            p = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+            o = (p @ vs)[..., :dv].transpose(0, 1)  # trimmed back to Dv
+            out[q0:q1, h0:h1] = o.detach()
+            lse[h0:h1, q0:q1] = torch.where(torch.isinf(row_lse), float("inf"), row_lse).detach()
+            if grad_out is not None:
+                gq, gk, gv = torch.autograd.grad(o, (q, k, v), grad_out[q0:q1, h0:h1].double(), allow_unused=True)
+                for acc, g in zip(grads, (gq, gk, gv)):
+                    if g is not None:
+                        acc += g
+    return out, lse, (tuple(grads) if grad_out is not None else None)
+
+
+def _lengths(cu):
+    return [cu[i + 1] - cu[i] for i in range(len(cu) - 1)] or [0]
+
+
+def make_case(lengths, kv_lengths=None, hq=4, hk=4, dqk=192, dv=128, dtype=torch.bfloat16, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    kv_lengths = lengths if kv_lengths is None else kv_lengths
+    tq, tk = sum(lengths), sum(kv_lengths)
+    c = dict(
+        q=torch.randn(tq, hq, dqk, generator=g).to(device, dtype),
+        k=torch.randn(tk, hk, dqk, generator=g).to(device, dtype),
+        v=torch.randn(tk, hk, dv, generator=g).to(device, dtype),
+        cu_q=torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device),
+        cu_kv=torch.tensor([0, *torch.tensor(kv_lengths).cumsum(0).tolist()], dtype=torch.int32, device=device),
+        max_q=max(lengths, default=0),
+        max_kv=max(kv_lengths, default=0),
+    )
+    if kv_lengths is lengths:
+        c["cu_kv"] = c["cu_q"]  # self-attention: one offsets tensor, as Megatron passes it
+    return c
+
+
+def run(c, causal=True, backend="varlen", scale=None):
+    q, k, v = (c[n].detach().clone().requires_grad_(True) for n in ("q", "k", "v"))
+    out = mla_forward_padded(
+        q, k, v, c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"], causal=causal, softmax_scale=scale, backend=backend
+    )
+    return out, (q, k, v)
+
+
+def rel_err(got, want):
+    """Error norm relative to the reference's norm (floored at an rms of 1e-3)."""
+    got, want = got.detach().double().cpu(), want.detach().double().cpu()
+    return float((got - want).norm() / want.norm().clamp_min(1e-3 * max(want.numel(), 1) ** 0.5))
+
+
+def lse_err(got, want):
+    """Largest difference on rows that see a key; rows that see none must be +inf on both sides."""
+    got, want = got.double().cpu(), want.double().cpu()
+    empty = torch.isinf(want)
+    assert torch.equal(torch.isinf(got) & (got > 0), empty), "rows without keys must have lse +inf"
+    return float((got[~empty] - want[~empty]).abs().max()) if (~empty).any() else 0.0
+
+
+def check_against_reference(c, causal=True, scale=None, tol_scale=1.0):
+    dtype = c["q"].dtype
+    out, (q, k, v) = run(c, causal=causal, scale=scale)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, dtype)
+    want, want_lse, want_grads = reference(c["q"], c["k"], c["v"], c["cu_q"].cpu(), c["cu_kv"].cpu(), causal, scale, g)
+    assert out.shape == want.shape and out.dtype == dtype and out.is_contiguous()
+    assert torch.isfinite(out).all()
+    assert rel_err(out, want) < TOL[dtype] * tol_scale
+    _, lse = OPS.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"], causal, scale, 3)
+    assert lse.shape == want_lse.shape and lse.dtype == torch.float32
+    assert lse_err(lse, want_lse) < 2e-2
+    out.backward(g)
+    for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), want_grads):
+        assert got.shape == exp.shape and torch.isfinite(got).all(), name
+        assert rel_err(got, exp) < 2 * TOL[dtype] * tol_scale, name
+
+
+# --------------------------------------------------------------------------------------------
+# CPU: the reference, the cache counters, the auto rule's mirror.
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_cpu_varlen_is_the_reference(causal):
+    c = make_case([3, 0, 1, 9], kv_lengths=[5, 2, 0, 9], hq=4, hk=2, dqk=24, dv=16, dtype=torch.float64, seed=1)
+    out, (q, k, v) = run(c, causal=causal)
+    assert out.is_contiguous()  # the varlen layout: contiguous [Tq, Hq, Dv]
+    g = torch.randn(out.shape, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    want, want_lse, grads = reference(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], causal, None, g)
+    assert torch.allclose(out, want, atol=1e-10)
+    _, lse = OPS.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 9, 9, causal, None, 3)
+    assert lse_err(lse, want_lse) < 1e-10
+    out.backward(g)
+    for got, exp in zip((q.grad, k.grad, v.grad), grads):
+        assert torch.allclose(got, exp, atol=1e-10)
+
+
+def test_cache_info_fields():
+    info = mla_cache_info()
+    assert set(info) == {"available", "size", "hits", "misses", "builds", "failures"}
+    assert isinstance(info["available"], bool)
+    assert all(isinstance(info[n], int) and info[n] >= 0 for n in ("size", "hits", "misses", "builds", "failures"))
+    if info["available"]:
+        assert verl_ops.cuda_available()
+    assert info["builds"] >= info["size"]
+
+
+@pytest.mark.parametrize(
+    "lengths, kv_lengths, heads, dims, varlen_auto, want",
+    [
+        ([100, 3000, 7], None, (16, 16), (192, 128), True, "varlen"),  # ragged: varlen
+        ([100, 3000, 7], None, (16, 16), (192, 128), False, "padded"),  # no varlen (build, device)
+        ([1024] * 16, None, (16, 16), (192, 128), True, "native"),  # uniform: the native rule
+        ([512] * 4, None, (16, 16), (192, 128), True, "padded"),  # uniform below the native rule
+        ([5, 9], [9, 5], (8, 2), (128, 128), True, "varlen"),  # cross attention, grouped heads
+        ([5, 9], None, (4, 4), (96, 64), True, "padded"),  # head dims not in the table
+        ([1, 1, 0], None, (4, 4), (192, 128), True, "padded"),  # single tokens: padded
+    ],
+)
+def test_auto_rule_mirror(lengths, kv_lengths, heads, dims, varlen_auto, want):
+    """_fake._mla_backend mirrors resolve_mla_backend: auto sends batches that are not uniform to
+    varlen where varlen_auto holds (Hopper, a build with the backend) and the head dims are in the
+    table."""
+    kv_lengths = lengths if kv_lengths is None else kv_lengths
+    sizes = (sum(lengths), sum(kv_lengths), heads[0], heads[1], dims[0], dims[1], len(lengths))
+    got = _fake._mla_backend("op", 0, sizes, max(lengths), max(kv_lengths), True, kv_lengths is lengths, varlen_auto)
+    assert got == want
+    assert _fake._mla_backend("op", 3, sizes, max(lengths), max(kv_lengths), True, False, False) == "varlen"
+
+
+def test_cpu_auto_never_varlen():
+    """On the CPU auto keeps the padded layout for a ragged 192/128 batch (varlen is CUDA-only)."""
+    c = make_case([5, 30, 2], hq=2, hk=2, dtype=torch.float32, seed=2)
+    out, _ = run(c, backend="auto")
+    assert out.stride() == (2 * 192, 192, 1)
+
+
+def test_bad_input_cpu():
+    c = make_case([3, 4], dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"mla_forward_padded: cu_seqlens_q\[-1\]=7 must equal the number of rows 6"):
+        mla_forward_padded(c["q"][:6], c["k"], c["v"], c["cu_q"], c["cu_kv"], 4, 4, backend="varlen", validate=True)
+    with pytest.raises(ValueError, match="mla_forward_padded: a sequence has 4 tokens, more than max_seqlen_q=3"):
+        mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 3, 4, backend="varlen", validate=True)
+
+
+# --------------------------------------------------------------------------------------------
+# GPU.
+
+gpu = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_varlen_missing_from_build_is_a_clear_error():
+    if VARLEN_BUILT:
+        pytest.skip("this build has the varlen backend")
+    c = make_case([3, 4], device="cuda")
+    with pytest.raises(RuntimeError, match="mla_forward_padded: backend='varlen' is not in this build.*nvidia-cudnn-frontend"):
+        run(c)
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dims", [(192, 128), (128, 128)], ids=["192-128", "128-128"])
+def test_cuda_edge_lengths(causal, dims):
+    """Lengths 0, 1, 2, 127, 128, 129, 4096, 8192 in one batch, 16 heads, bf16."""
+    c = make_case(EDGE_LENGTHS, hq=16, hk=16, dqk=dims[0], dv=dims[1], device="cuda", seed=10)
+    check_against_reference(c, causal=causal)
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads", [(3, 3), (8, 2)], ids=["h3", "gqa8-2"])
+def test_cuda_small_ragged(dtype, causal, heads):
+    lengths = [129, 0, 1, 2, 127, 128, 700, 1, 64]
+    c = make_case(lengths, hq=heads[0], hk=heads[1], dtype=dtype, device="cuda", seed=11)
+    check_against_reference(c, causal=causal, scale=0.07)
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("dims", [(192, 128), (64, 64)], ids=["192-128", "64-64"])
+def test_cuda_cross_attention(causal, dims):
+    """q and kv lengths that differ (bottom-right causal diagonal): queries that see no key
+    (lq > lk, or lk == 0) get zero rows and an infinite lse; keys that no query sees (lq == 0) get
+    zero gradients."""
+    lq = [5, 300, 0, 64, 1, 7, 129, 2]
+    lk = [2, 100, 40, 0, 129, 7, 1, 300]
+    c = make_case(lq, kv_lengths=lk, hq=8, hk=4, dqk=dims[0], dv=dims[1], device="cuda", seed=12)
+    check_against_reference(c, causal=causal)
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_plan_cache_reused_within_a_bucket():
+    """Batches of one bucket (batch size and max_seqlen rounded up to powers of two, token totals
+    in quarter octaves) build no new graph; a longer batch builds the forward and backward of its
+    bucket once."""
+
+    def step(lengths):
+        c = make_case(lengths, hq=4, hk=4, device="cuda", seed=sum(lengths))
+        out, (q, k, v) = run(c, scale=0.061)  # a scale of its own: buckets no other test builds
+        out.backward(torch.ones_like(out))
+        torch.cuda.synchronize()
+
+    step([700, 300, 5, 900, 129])  # bucket: 8 sequences, max_seqlen 1024, ~2k tokens
+    before = mla_cache_info()
+    step([900, 129, 700, 5, 300])
+    step([1000, 10, 600, 400, 20, 3])
+    after = mla_cache_info()
+    assert after["builds"] == before["builds"], (before, after)
+    assert after["hits"] >= before["hits"] + 4
+    step([3000, 5, 12])  # max_seqlen 4096: a new bucket
+    assert mla_cache_info()["builds"] == after["builds"] + 2
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_graph_capture_and_replay():
+    """Forward + backward captured in a CUDA graph after an eager warm-up (which builds the plans),
+    replayed on new data: equal to eager calls on that data."""
+    lengths = [1, 300, 0, 129, 64]
+    c = make_case(lengths, hq=4, hk=4, device="cuda", seed=13)
+    static = {n: c[n].clone().requires_grad_(True) for n in ("q", "k", "v")}
+    grad = torch.randn(sum(lengths), 4, 128, device="cuda", dtype=torch.bfloat16)
+
+    def fwd_bwd():
+        for t in static.values():
+            t.grad = None
+        out = mla_forward_padded(static["q"], static["k"], static["v"], c["cu_q"], c["cu_kv"], 300, 300, backend="varlen")
+        out.backward(grad)
+        return out
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fwd_bwd()
+    torch.cuda.current_stream().wait_stream(side)
+    builds = mla_cache_info()["builds"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = fwd_bwd()
+    assert mla_cache_info()["builds"] == builds
+    fresh = make_case(lengths, hq=4, hk=4, device="cuda", seed=14)
+    for n in ("q", "k", "v"):
+        static[n].data.copy_(fresh[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    out, (q, k, v) = run(fresh)
+    out.backward(grad)
+    assert torch.equal(static_out, out)
+    for n, t in zip("qkv", (q, k, v)):
+        assert rel_err(static[n].grad, t.grad) < 1e-2, n  # dq accumulation order may differ
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_capture_without_plan_is_a_clear_error():
+    c = make_case([33, 77, 5], hq=2, hk=2, dqk=64, dv=64, device="cuda", seed=15)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="mla_forward_padded: backend='varlen' has no cuDNN plan yet"):
+        with torch.cuda.graph(graph):
+            mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 77, 77, softmax_scale=0.0123, backend="varlen")
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_bad_input():
+    c = make_case([3, 4, 9], device="cuda")
+    with pytest.raises(ValueError, match=r"mla_forward_padded: cu_seqlens_kv\[-1\]=16 must equal the number of rows 15"):
+        mla_forward_padded(c["q"], c["k"][:15], c["v"][:15], c["cu_q"], c["cu_q"].clone(), 9, 9, backend="varlen",
+                           validate=True)
+    with pytest.raises(ValueError, match="mla_forward_padded: a sequence has 9 tokens, more than max_seqlen_q=8"):
+        mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 8, 9, backend="varlen", validate=True)
+    odd = make_case([3, 4], dqk=20, dv=12, device="cuda")
+    with pytest.raises(RuntimeError, match="mla_forward_padded: backend='varlen' .*multiples of 8"):
+        run(odd)
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+@pytest.mark.skipif(not HOPPER, reason="auto picks varlen on Hopper only")
+def test_cuda_auto_and_megatron_route_ragged_batches_to_varlen():
+    from types import SimpleNamespace
+
+    from verl_ops.integrations.megatron_mla import mla_thd_core_attention
+
+    c = make_case([1500, 64, 3000, 700], hq=16, hk=16, device="cuda", seed=16)
+    before = mla_cache_info()
+    out, _ = run(c, backend="auto")
+    assert out.is_contiguous()  # varlen's layout (padded would be a view of [T, H, 192] rows)
+    after = mla_cache_info()
+    assert after["hits"] + after["misses"] > before["hits"] + before["misses"]
+    psp = SimpleNamespace(cu_seqlens_q=c["cu_q"], cu_seqlens_kv=c["cu_q"], max_seqlen_q=c["max_q"],
+                          max_seqlen_kv=c["max_q"])
+    flat = mla_thd_core_attention(c["q"], c["k"], c["v"], psp)
+    assert torch.equal(flat, out.reshape(out.shape[0], -1))
+    assert mla_cache_info()["hits"] > after["hits"]
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_opcheck_and_compile():
+    c = make_case([5, 0, 70, 1], kv_lengths=[9, 3, 70, 0], hq=4, hk=2, device="cuda", seed=17)
+    args = (c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"], True, None, 3)
+    torch.library.opcheck(OPS.mla_forward_padded.default, args)
+    out, lse = OPS.mla_forward_padded(*args)
+    bwd = (torch.randn_like(out), c["q"], c["k"], c["v"], out, lse, c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"],
+           True, None, 3)
+    torch.library.opcheck(OPS.mla_backward_padded.default, bwd)
+
+    def f(q, k, v, cu_q, cu_kv):
+        return mla_forward_padded(q, k, v, cu_q, cu_kv, 70, 70, backend="varlen")
+
+    compiled = torch.compile(f, fullgraph=True, dynamic=True)
+    assert torch.equal(compiled(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"]), out)
