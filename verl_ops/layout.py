@@ -37,9 +37,28 @@ def _check_rules(op: str, cp_layout, tp_size, cp_size) -> tuple[int, int]:
 _INFO_HEAD = 7
 
 
+_PLAIN = (int, bool, str, type(None))
+_RULES_CACHE: dict = {}
+
+
 def _rules(op: str, tp_size=1, cp_size=1, cp_layout="zigzag", fp8_padding=False, min_local_rows=None,
            pad_to_length_bucket=None) -> dict:
-    """Checked layout rules, as the ThdLayout fields they become (``align`` included)."""
+    """Checked layout rules, as the ThdLayout fields they become (``align`` included); rules of
+    plain Python values are checked once and remembered (a training run uses a handful)."""
+    key = (tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket)
+    plain = all(type(v) in _PLAIN for v in key)
+    if plain:
+        key += tuple(type(v) for v in key)  # (True == 1: a bool must not hit an int's entry)
+        hit = _RULES_CACHE.get(key)
+        if hit is not None:
+            return hit
+    rules = _check_all_rules(op, tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket)
+    if plain and len(_RULES_CACHE) < 4096:
+        _RULES_CACHE[key] = rules
+    return rules
+
+
+def _check_all_rules(op, tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket) -> dict:
     tp_size, cp_size = _check_rules(op, cp_layout, tp_size, cp_size)
     fp8_padding = as_bool(op, "fp8_padding", fp8_padding)
     if pad_to_length_bucket is not None:
@@ -151,15 +170,16 @@ class ThdLayout:
         if head[0] >= 0:
             _raise_bad_length(op, name, head[0], head[1])
         device = torch.device(device)
-        on_device = both if device.type == "cpu" else both.to(device)
+        cu_cpu, cu_padded_cpu = both.unbind(0)
+        cu_dev, cu_padded_dev = (cu_cpu, cu_padded_cpu) if device.type == "cpu" else both.to(device).unbind(0)
         total_padded = head[3]
         return cls(
             lengths=tuple(head[_INFO_HEAD:]),
             **rules,
-            cu_seqlens_cpu=both[0],
-            cu_seqlens_padded_cpu=both[1],
-            cu_seqlens=on_device[0],
-            cu_seqlens_padded=on_device[1],
+            cu_seqlens_cpu=cu_cpu,
+            cu_seqlens_padded_cpu=cu_padded_cpu,
+            cu_seqlens=cu_dev,
+            cu_seqlens_padded=cu_padded_dev,
             max_seqlen=head[4],
             max_seqlen_unpadded=head[5],
             min_seqlen_unpadded=head[6],
@@ -286,7 +306,13 @@ class ThdLayout:
         if is_meta(offsets):
             raise host_values_required(op, "x", "offsets")
         device = kwargs.pop("device", None)
-        rules = _rules("ThdLayout.from_lengths", **kwargs)
+        return cls._from_checked_offsets(offsets, device, _rules("ThdLayout.from_lengths", **kwargs))
+
+    @classmethod
+    def _from_checked_offsets(cls, offsets, device, rules) -> ThdLayout:
+        """from_nested after its checks: ``offsets`` of a jagged nested tensor without holes, off the
+        meta device; one host read of them, one layout op, one copy of the offsets to ``device``
+        (default: where ``offsets`` are)."""
         host = offsets if offsets.device.type == "cpu" else offsets.to("cpu")
         layout = cls._from_host(
             "ThdLayout.from_lengths", "lengths", host.detach(), True, offsets.device if device is None else device, rules

@@ -57,6 +57,7 @@ import torch
 from .._thd import postprocess_thd, preprocess_thd
 from .._validate import check_jagged, check_plain, host_values_required, is_meta
 from ..layout import CP_LAYOUTS, ThdLayout
+from ..layout import _rules as _layout_rules
 
 __all__ = [
     "LAYOUT_ATTR",
@@ -373,14 +374,10 @@ def preprocess_thd_engine(
         cp_rank = mpu.get_context_parallel_rank()
     extra.update(_cp_partition_args(cp_layout, cp_size))
     # One host read of the offsets; the layout op checks them and computes every size at once.
-    layout = ThdLayout.from_nested(
-        input_ids,
-        tp_size=tp_size,
-        cp_size=cp_size,
-        cp_layout=cp_layout,
-        fp8_padding=bool(use_fp8_padding),
-        min_local_rows=min_local_rows,
-        pad_to_length_bucket=pad_to_length_bucket,
+    # (input_ids and its offsets were checked above: ThdLayout.from_nested without its checks.)
+    layout = ThdLayout._from_checked_offsets(
+        offsets, None, _layout_rules("ThdLayout.from_lengths", tp_size, cp_size, cp_layout, bool(use_fp8_padding),
+                                     min_local_rows, pad_to_length_bucket)
     )
     packed_seq_params = _make_packed_seq_params(layout, extra)
     if not pre_process:
