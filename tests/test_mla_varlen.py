@@ -389,3 +389,49 @@ def test_cuda_opcheck_and_compile():
 
     compiled = torch.compile(f, fullgraph=True, dynamic=True)
     assert torch.equal(compiled(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"]), out)
+
+
+# --------------------------------------------------------------------------------------------
+# backend="fa4": FlashAttention-4's varlen kernels where flash-attn-4 is installed (optional).
+
+
+def _fa4_importable() -> bool:
+    try:
+        from flash_attn.cute import flash_attn_varlen_func  # noqa: F401
+    except Exception:  # noqa: BLE001  (not installed, or its dependencies are missing)
+        return False
+    return True
+
+
+HAS_FA4 = HAS_CUDA and _fa4_importable()
+
+
+def test_fa4_backend_needs_cuda():
+    c = make_case([3, 5], hq=2, hk=2, dqk=24, dv=16, dtype=torch.float32)
+    with pytest.raises(ValueError, match="mla_forward_padded: backend='fa4' runs on CUDA tensors only"):
+        run(c, backend="fa4")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.skipif(HAS_FA4, reason="flash-attn-4 is installed here")
+def test_cuda_fa4_missing_is_a_clear_error():
+    c = make_case([3, 5], hq=2, hk=2, device="cuda")
+    with pytest.raises(ImportError, match="mla_forward_padded: backend='fa4' needs FlashAttention-4.*flash-attn-4"):
+        run(c, backend="fa4")
+
+
+@gpu
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FA4, reason="needs flash-attn-4")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cuda_fa4_matches_the_reference(causal):
+    """Output and q/k/v gradients of backend="fa4" on a ragged 192/128 batch, bf16."""
+    c = make_case([129, 1, 2, 127, 700, 64], hq=8, hk=8, device="cuda", seed=13)
+    out, (q, k, v) = run(c, causal=causal, backend="fa4")
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(7)).to(out.device, out.dtype)
+    want, _, want_grads = reference(c["q"], c["k"], c["v"], c["cu_q"].cpu(), c["cu_kv"].cpu(), causal, None, g)
+    assert out.shape == want.shape and rel_err(out, want) < TOL[torch.bfloat16]
+    out.backward(g)
+    for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), want_grads):
+        assert rel_err(got, exp) < 2 * TOL[torch.bfloat16], name

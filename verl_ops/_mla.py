@@ -12,6 +12,9 @@ from ._validate import INT32_MAX, as_bool, as_int, check_plain, is_meta
 _ops = torch.ops.verl_ops
 
 BACKENDS = ("auto", "padded", "native", "varlen")
+# Backends of the Python API only (not codes of the raw op): "fa4" calls FlashAttention-4's varlen
+# kernels when flash-attn-4 is installed (an optional extra: pip install verl_ops[fa4]).
+EXTRA_BACKENDS = ("fa4",)
 
 _CACHE_FIELDS = ("available", "size", "hits", "misses", "builds", "failures")
 
@@ -124,8 +127,8 @@ def mla_forward_padded(
         in q, k and v.
     """
     op = "mla_forward_padded"
-    if not isinstance(backend, str) or backend not in BACKENDS:
-        raise ValueError(f"{op}: backend must be one of {BACKENDS}, got {backend!r}")
+    if not isinstance(backend, str) or backend not in BACKENDS + EXTRA_BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS + EXTRA_BACKENDS}, got {backend!r}")
     tensors = (("q", q), ("k", k), ("v", v), ("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_kv", cu_seqlens_kv))
     for name, t in tensors:
         check_plain(op, name, t)
@@ -150,6 +153,9 @@ def mla_forward_padded(
         if q.dim() == 3 and k.dim() == 3:
             _validate_offsets(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], int(max_seqlen_q), "max_seqlen_q")
             _validate_offsets(op, "cu_seqlens_kv", cu_seqlens_kv, k.shape[0], int(max_seqlen_kv), "max_seqlen_kv")
+    if backend == "fa4":
+        return _fa4_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal,
+                            softmax_scale)
     out, _ = _ops.mla_forward_padded(
         q,
         k,
@@ -184,3 +190,25 @@ def mla_cache_info() -> dict:
     info = dict(zip(_CACHE_FIELDS, values))
     info["available"] = bool(info["available"])
     return info
+
+
+def _fa4_varlen_func(op: str):
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError as e:
+        raise ImportError(
+            f"{op}: backend='fa4' needs FlashAttention-4 (pip install flash-attn-4, or verl_ops[fa4]), "
+            f"which is not importable here: {e}"
+        ) from e
+    return flash_attn_varlen_func
+
+
+def _fa4_forward(op, q, k, v, cu_q, cu_kv, max_q, max_kv, causal, softmax_scale):
+    """backend="fa4": FlashAttention-4's varlen attention on the packed rows (its own autograd);
+    the same conventions (bottom-right causal, Dv <= Dqk, grouped heads)."""
+    if q.device.type != "cuda":
+        raise ValueError(f"{op}: backend='fa4' runs on CUDA tensors only, got q on {q.device}")
+    func = _fa4_varlen_func(op)
+    out = func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_kv, max_seqlen_q=int(max_q), max_seqlen_k=int(max_kv),
+               softmax_scale=None if softmax_scale is None else float(softmax_scale), causal=bool(causal))
+    return out[0] if isinstance(out, tuple) else out
