@@ -435,3 +435,11 @@ def test_cuda_fa4_matches_the_reference(causal):
     out.backward(g)
     for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), want_grads):
         assert rel_err(got, exp) < 2 * TOL[torch.bfloat16], name
+
+
+def test_cache_info_under_another_default_device():
+    """The probe tensor is an explicit CPU tensor: a default device set by the user (meta here;
+    cuda likewise) does not change what mla_cache_info reports."""
+    want = mla_cache_info()["available"]
+    with torch.device("meta"):
+        assert mla_cache_info()["available"] == want

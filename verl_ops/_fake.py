@@ -251,7 +251,7 @@ _MLA_BACKENDS = ("auto", "padded", "native", "varlen")
 # Whether this build has the varlen backend, read once at import (_C is loaded by then): the fake
 # kernels run under fake / functional modes, where calling an op would not return real values.
 try:
-    _VARLEN_BUILT = bool(torch.ops.verl_ops.mla_cache_info(torch.empty(0))[0])
+    _VARLEN_BUILT = bool(torch.ops.verl_ops.mla_cache_info(torch.empty(0, device="cpu"))[0])
 except (AttributeError, RuntimeError):  # a module built before the op existed
     _VARLEN_BUILT = False
 _VARLEN_DEVICES = {}

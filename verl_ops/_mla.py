@@ -186,7 +186,7 @@ def mla_cache_info() -> dict:
         "failures": int}``: whether this build has the varlen backend, the cached plans, lookups
         that found a plan, lookups that did not, graphs built, and builds cuDNN refused.
     """
-    values = _ops.mla_cache_info(torch.empty(0)).tolist()
+    values = _ops.mla_cache_info(torch.empty(0, device="cpu")).tolist()
     info = dict(zip(_CACHE_FIELDS, values))
     info["available"] = bool(info["available"])
     return info
