@@ -53,10 +53,8 @@ def _check_mask(op: str, name: str, mask: torch.Tensor, like: torch.Tensor, like
     _check(mask.device == like.device, op, f"{name} is on {mask.device} but {like_name} on {like.device}")
 
 
-@torch.library.register_fake("verl_ops::thd_layout")
-def _thd_layout_fake(lengths, tp_size=1, cp_size=1, cp_layout=0, fp8_padding=False, min_local_rows=None,
-                     pad_to_length_bucket=None):
-    op = "thd_layout"
+def _check_layout_args(op, name, x, tp_size, cp_size, cp_layout, min_local_rows, pad_to_length_bucket) -> None:
+    """The layout ops' argument checks (as csrc/ops/thd_ops.cpp's layout_params and input checks)."""
     _int_arg(op, "tp_size", tp_size, 1)
     _int_arg(op, "cp_size", cp_size, 1)
     _check_cp_layout(op, cp_layout)
@@ -64,12 +62,19 @@ def _thd_layout_fake(lengths, tp_size=1, cp_size=1, cp_layout=0, fp8_padding=Fal
         _int_arg(op, "min_local_rows", min_local_rows)
     if pad_to_length_bucket is not None:
         _check(pad_to_length_bucket > 0, op, f"pad_to_length_bucket must be a positive integer, got {pad_to_length_bucket}")
-    _check(lengths.dim() == 1, op, f"lengths must be 1-D, got shape {tuple(lengths.shape)}")
+    _check(x.dim() == 1, op, f"{name} must be 1-D, got shape {tuple(x.shape)}")
     _check(
-        not lengths.dtype.is_floating_point and not lengths.dtype.is_complex and lengths.dtype != torch.bool,
+        not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool,
         op,
-        f"lengths must be an integer tensor, got {lengths.dtype}",
+        f"{name} must be an integer tensor, got {x.dtype}",
     )
+
+
+@torch.library.register_fake("verl_ops::thd_layout")
+def _thd_layout_fake(lengths, tp_size=1, cp_size=1, cp_layout=0, fp8_padding=False, min_local_rows=None,
+                     pad_to_length_bucket=None):
+    op = "thd_layout"
+    _check_layout_args(op, "lengths", lengths, tp_size, cp_size, cp_layout, min_local_rows, pad_to_length_bucket)
     n = lengths.shape[0] + 1
     return lengths.new_empty((n,), dtype=torch.int32), lengths.new_empty((n,), dtype=torch.int32)
 
@@ -78,20 +83,8 @@ def _thd_layout_fake(lengths, tp_size=1, cp_size=1, cp_layout=0, fp8_padding=Fal
 def _thd_layout_info_fake(x, x_is_offsets=False, tp_size=1, cp_size=1, cp_layout=0, fp8_padding=False,
                           min_local_rows=None, pad_to_length_bucket=None):
     op = "thd_layout_info"
-    _int_arg(op, "tp_size", tp_size, 1)
-    _int_arg(op, "cp_size", cp_size, 1)
-    _check_cp_layout(op, cp_layout)
-    if min_local_rows is not None:
-        _int_arg(op, "min_local_rows", min_local_rows)
-    if pad_to_length_bucket is not None:
-        _check(pad_to_length_bucket > 0, op, f"pad_to_length_bucket must be a positive integer, got {pad_to_length_bucket}")
-    name = "offsets" if x_is_offsets else "lengths"
-    _check(x.dim() == 1, op, f"{name} must be 1-D, got shape {tuple(x.shape)}")
-    _check(
-        not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool,
-        op,
-        f"{name} must be an integer tensor, got {x.dtype}",
-    )
+    _check_layout_args(op, "offsets" if x_is_offsets else "lengths", x, tp_size, cp_size, cp_layout, min_local_rows,
+                       pad_to_length_bucket)
     _check(not x_is_offsets or x.shape[0] >= 1, op, "offsets must have B + 1 >= 1 entries, got 0")
     b = x.shape[0] - 1 if x_is_offsets else x.shape[0]
     return x.new_empty((2, b + 1), dtype=torch.int32), x.new_empty((7 + b,), dtype=torch.int64)
