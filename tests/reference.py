@@ -70,7 +70,7 @@ def layout_is_valid(cu_padded, cp, cp_layout) -> bool:
     return cu_padded[-1] % cp == 0
 
 
-def ref_pack(seqs, cu_padded, cp, cp_rank, cp_layout, roll, *, feature_shape=None, dtype=None):
+def ref_pack(seqs, cu_padded, cp, cp_rank, cp_layout, roll, *, feature_shape=None, dtype=None, main_align=None):
     """OPS.md section 2, pack, with verl's (0.9.1) padding-row and roll rules written procedurally.
 
     `seqs[i]` is sequence i's valid tokens, ``[len_i, *F]``. Returns (packed [local_rows, *F],
@@ -82,6 +82,12 @@ def ref_pack(seqs, cu_padded, cp, cp_rank, cp_layout, roll, *, feature_shape=Non
     zigzag with cp == 1 rolls the whole local buffer by one row; zigzag with cp > 1 rolls the
     whole local buffer and then rewrites the last row of each chunk (the row after the first
     chunk's last row / the sequence's token 0 on rank 0), as verl does.
+
+    ``main_align``: verl main's rule for the rolled zigzag case (cp > 1) instead of 0.9.1's: a
+    sequence is zero-padded only to max(len, main_align) (its alignment), not to its padded
+    length, so its second chunk holds the rows [P - (r+1)c, min(P - rc, that length)); the row
+    rewritten after the roll is the last of those rows, with token 0 and position 0 when the chunk
+    reaches the end of the zero-padded sequence.
     """
     cu_padded = [int(c) for c in cu_padded]
     if seqs:
@@ -133,9 +139,18 @@ def ref_pack(seqs, cu_padded, cp, cp_rank, cp_layout, roll, *, feature_shape=Non
             dz = torch.cat([d, torch.zeros((1, *feature_shape), dtype=dtype)])  # d[P] reads zero
             k = (start + c - 1) % local_rows
             fixes[k] = (dz[first + c], out_pos[k].clone())
-            if c > 0:
-                k = start + 2 * c - 1
-                fixes[k] = (dz[0], torch.tensor(0)) if r == 0 else (dz[second + c], out_pos[k].clone())
+            if main_align is None:
+                if c > 0:
+                    k = start + 2 * c - 1
+                    fixes[k] = (dz[0], torch.tensor(0)) if r == 0 else (dz[second + c], out_pos[k].clone())
+            else:
+                D = max(n, main_align)
+                end = min(second + c, D)
+                out[start + c : start + 2 * c] = 0  # only the rows of [second, end) hold data
+                if end > second:
+                    out[start + c : start + c + end - second] = dz[second:end]
+                    k = start + c + end - second - 1
+                    fixes[k] = (dz[0], torch.tensor(0)) if end == D else (dz[end], out_pos[k].clone())
     if roll:
         out, out_pos = torch.roll(out, -1, 0), torch.roll(out_pos, -1, 0)
         for k, (v, p) in fixes.items():

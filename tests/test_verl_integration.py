@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -130,6 +131,8 @@ LENGTHS = [7, 1, 12, 5]
 
 @pytest.fixture
 def mcore(monkeypatch):
+    # the stubbed tests check verl 0.9.1's rules (reference.ref_pack); main's roll rule has its own
+    monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "0.9.1")
     return verl_stubs.install_megatron_stub(monkeypatch)
 
 
@@ -237,6 +240,114 @@ def test_preprocess_thd_engine_trailing_dims_and_empty_sequence(mcore):
             assert packed.dtype == torch.int16 and packed.shape == (1, sum(padded) // cp, 2, 2)
             rv, rp, _, _ = ref_pack(seqs, padded, cp, rank, "zigzag")
             assert torch.equal(packed[0], rv) and torch.equal(pos[0], rp)
+
+
+# verl main's zigzag roll rule (cp > 1): each sequence zero-padded to max(len, align) before its
+# second chunk is cut (verl 0.9.1: to its padded length). Reference: reference.ref_pack(main_align=).
+
+
+def _main_align(tp, cp, fp8):
+    a = tp * cp * 2
+    return math.lcm(16, a) if fp8 else a
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize(
+    "lengths,min_local_rows,bucket",
+    [([7], None, None), ([7, 1, 12, 5], None, None), ([0, 5, 0, 0, 9, 3], None, None), ([1, 2, 3, 13, 31], None, None),
+     ([9, 3, 6], 64, None), ([9, 3, 6], None, 48), ([6, 0], 40, 24), ([5, 11, 2], None, None), ([2], 12, None)],
+)
+@pytest.mark.parametrize("tp,cp", [(1, 2), (2, 2), (1, 4), (1, 3)])
+def test_preprocess_thd_engine_main_roll_rule(mcore, monkeypatch, tp, cp, lengths, min_local_rows, bucket, fp8):
+    monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "main")
+    seqs = make_seqs(lengths, "hidden", seed=sum(lengths) + cp)
+    x = nested(seqs)
+    padded = ref_padded_lengths(lengths, tp, cp, "zigzag", fp8, min_local_rows, bucket)
+    cu_padded = [0, *torch.tensor(padded).cumsum(0).tolist()]
+    mcore.tp, mcore.cp = tp, cp
+    differs = False
+    for rank in range(cp):
+        mcore.cp_rank = rank
+        packed, _, pos = vi.preprocess_thd_engine(x, need_roll=True, use_fp8_padding=fp8,
+                                                  min_local_rows=min_local_rows, pad_to_length_bucket=bucket)
+        rv, rp = reference.ref_pack(seqs, cu_padded, cp, rank, "zigzag", True, main_align=_main_align(tp, cp, fp8))
+        assert torch.equal(packed[0], rv), rank
+        assert torch.equal(pos[0], rp), rank
+        old_v, old_p = reference.ref_pack(seqs, cu_padded, cp, rank, "zigzag", True)
+        differs |= not (torch.equal(old_v, rv) and torch.equal(old_p, rp))
+        # without need_roll, or with the 0.9.1 rule, nothing changes
+        plain, _, _ = vi.preprocess_thd_engine(x, use_fp8_padding=fp8, min_local_rows=min_local_rows,
+                                               pad_to_length_bucket=bucket)
+        assert torch.equal(plain[0], reference.ref_pack(seqs, cu_padded, cp, rank, "zigzag", False)[0])
+        monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "0.9.1")
+        packed, _, pos = vi.preprocess_thd_engine(x, need_roll=True, use_fp8_padding=fp8,
+                                                  min_local_rows=min_local_rows, pad_to_length_bucket=bucket)
+        assert torch.equal(packed[0], old_v) and torch.equal(pos[0], old_p)
+        monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "main")
+    if lengths == [7] and cp == 2 and tp == 1 and not fp8:
+        assert differs  # verl main's own test case: rank 0 holds [2, 3, 1, 1] for labels 1..7
+
+
+def test_preprocess_thd_engine_main_roll_rule_verl_case(mcore, monkeypatch):
+    """verl main's tests/utils/test_megatron_bshd_preprocess.py: labels 1..7, cp 2, need_roll."""
+    monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "main")
+    x = nested([torch.arange(1, 8)])
+    mcore.tp, mcore.cp = 1, 2
+    for rank, expected in ((0, [2, 3, 1, 1]), (1, [4, 5, 6, 7])):
+        mcore.cp_rank = rank
+        packed, psp, _ = vi.preprocess_thd_engine(x, need_roll=True)
+        assert psp.cu_seqlens_q_padded.tolist() == [0, 8]
+        assert packed[0].tolist() == expected
+    monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "0.9.1")
+    mcore.cp_rank = 0
+    assert vi.preprocess_thd_engine(x, need_roll=True)[0][0].tolist() == [2, 3, 0, 1]
+
+
+def test_preprocess_thd_engine_main_roll_rule_gradient(mcore, monkeypatch):
+    monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "main")
+    seqs = make_seqs([7, 5, 10], "hidden", seed=3)
+    x = nested([s.clone().requires_grad_(False) for s in seqs])
+    values = x.values().detach().requires_grad_(True)
+    xg = torch.nested.nested_tensor_from_jagged(values, x.offsets())
+    mcore.tp, mcore.cp, mcore.cp_rank = 1, 2, 0
+    packed, _, _ = vi.preprocess_thd_engine(xg, need_roll=True)
+    w = torch.randn_like(packed)
+    (packed * w).sum().backward()
+    # d(sum(packed * w)) / d(values[t]) = sum of w over the rows that read token t
+    padded = ref_padded_lengths([7, 5, 10], 1, 2)
+    cu_padded = [0, *torch.tensor(padded).cumsum(0).tolist()]
+    ids = [torch.arange(n, dtype=torch.float64).view(n, *([1] * (seqs[0].dim() - 1))).expand_as(s) + 1 + 1000 * i
+           for i, (n, s) in enumerate(zip([7, 5, 10], seqs))]  # token t of sequence i tagged 1000 i + t + 1
+    idv, _ = reference.ref_pack([t.to(torch.float64) for t in ids], cu_padded, 2, 0, "zigzag", True, main_align=4)
+    expected = torch.zeros_like(values)
+    starts = [0, 7, 12]
+    for row in range(idv.shape[0]):
+        tag = idv[row].reshape(-1)[0].item() if idv[row].abs().sum() > 0 else None
+        if tag is None:
+            continue
+        i, t = (int(tag) - 1) // 1000, (int(tag) - 1) % 1000
+        expected[starts[i] + t] += w[0, row]
+    torch.testing.assert_close(values.grad, expected)
+
+
+@pytest.mark.parametrize("padded_to_padded_length,rule", [(True, "0.9.1"), (False, "main")])
+def test_zigzag_roll_rule_read_from_verl_source(tmp_path, monkeypatch, padded_to_padded_length, rule):
+    """The rule follows the verl in use: its util.py's preprocess_thd_engine pads a sequence to its
+    padded length (0.9.1) or only to the alignment (main)."""
+    util = tmp_path / "verl" / "models" / "mcore" / "util.py"
+    util.parent.mkdir(parents=True)
+    pad = ("pad_target = max(align_size, seqlen_padded_i)" if padded_to_padded_length else "pad_target = align_size")
+    util.write_text(f"def preprocess_thd_engine(input_ids):\n    {pad}\n\n\ndef other():\n    pass\n")
+    pkg = types.ModuleType("verl")
+    pkg.__path__ = [str(tmp_path / "verl")]
+    monkeypatch.setitem(sys.modules, "verl", pkg)
+    monkeypatch.delitem(sys.modules, "verl.models.mcore.util", raising=False)
+    monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", None)
+    monkeypatch.setattr(vi, "_RULE_BY_FILE", {})
+    assert vi.zigzag_roll_rule() == rule
+    monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "1.0")
+    with pytest.raises(ValueError, match="ZIGZAG_ROLL_RULE"):
+        vi.zigzag_roll_rule()
 
 
 def test_preprocess_thd_engine_pre_process_false(mcore):
@@ -704,6 +815,23 @@ class TestRealVerl:
                     (theirs, their_grad), (ours, our_grad) = grads
                     assert torch.equal(ours, theirs)
                     assert torch.equal(our_grad, their_grad)
+
+    @pytest.mark.parametrize("roll", [False, True])
+    @pytest.mark.parametrize("tp", [1, 2])
+    def test_thd_engine_empty_sequences(self, real_verl, real_mpu, tp, roll):
+        """Empty sequences first, inside and last, zigzag: every row is the installed verl's (the
+        roll rule of that verl, read from its source)."""
+        compared = 0
+        for b, lengths in enumerate([[0, 5, 0, 0, 9, 3], [3, 0], [0, 1], [0, 0, 6], [13, 0, 2, 0]]):
+            x = nested(make_seqs(lengths, "hidden", seed=b))
+            for cp, rank in CP_RANKS:
+                real_mpu.tp, real_mpu.cp, real_mpu.cp_rank = tp, cp, rank
+                theirs, their_psp, their_pos = real_verl.preprocess_thd_engine(x, need_roll=roll)
+                ours, our_psp, our_pos = vi.preprocess_thd_engine(x, need_roll=roll)
+                _same_psp(our_psp, their_psp)
+                assert torch.equal(ours, theirs) and torch.equal(our_pos, their_pos), (lengths, cp, rank)
+                compared += 1
+        assert compared > 0
 
     @pytest.mark.parametrize("cp_layout", ["zigzag", "contiguous"])
     @pytest.mark.parametrize("roll", [False, True])

@@ -26,9 +26,13 @@ How the drop-ins relate to verl (the project's operator contracts, OPS.md sectio
   raise a shape error there).
 * ``preprocess_packed_seqs`` also records ``cp_partition_mode="zigzag"`` when megatron-core's
   ``PackedSeqParams`` has that field (verl's legacy path leaves the default, which is zigzag).
-* Every row is verl's (0.9.1), padding rows included: values, ``position_ids`` (0 in padding
+* Every row is verl's, padding rows included: values, ``position_ids`` (0 in padding
   rows except zigzag first-chunk rows) and, with ``need_roll=True``, verl's rolled values and
-  rolled position ids (README, "Decisions"). The native kernels implement that rule directly.
+  rolled position ids (README, "Decisions"). The native kernels implement verl 0.9.1's rule
+  directly. verl main differs from 0.9.1 in the rolled zigzag rows of padded sequences (cp > 1);
+  the drop-in follows the verl in use, read from its source (:func:`zigzag_roll_rule`,
+  overridable with ``ZIGZAG_ROLL_RULE``), and under main's rule rewrites those rows (at most two
+  per sequence) with one indexed copy.
 * verl's errors word for word where its tests match them, e.g.
   ``ValueError("Unsupported context parallel layout: interleaved")``.
 * The attention mask may be bool or 0/1 integers (verl needs bool); mismatched inputs (mask vs
@@ -48,6 +52,8 @@ only this rank's local shard; no collective runs in backward. ``cp == 1`` issues
 from __future__ import annotations
 
 import inspect
+import os
+import re
 import sys
 import warnings
 from dataclasses import fields, is_dataclass
@@ -323,6 +329,132 @@ def postprocess_packed_seqs(
     return postprocess_thd(packed, layout, cp_rank, attention_mask=mask)
 
 
+# --------------------------------------------------------------------------------------------
+# verl 0.9.1 and verl main differ in one place of preprocess_thd_engine: with need_roll, zigzag and
+# cp > 1, verl 0.9.1 zero-pads each sequence to its padded length before cutting its second chunk,
+# verl main only to the alignment (max(len, align)). Valid rows are the same; main's rule moves the
+# sequence's wrapped token 0 to the row after its last valid row on a rank whose second chunk
+# ends in padding, and that chunk's last row then takes the rolled value of the next local row
+# (the next sequence's first row, or the buffer's first row). The kernel implements 0.9.1's rule;
+# under main's rule the drop-in rewrites those rows (at most two per sequence) with one indexed copy.
+
+#: Which verl's zigzag roll rule preprocess_thd_engine follows: ``"0.9.1"``, ``"main"``, or None
+#: (default) for the rule of the verl that is in use, read from its ``verl/models/mcore/util.py``.
+ZIGZAG_ROLL_RULE: str | None = None
+_RULE_BY_FILE: dict[str, str] = {}
+_PAD_TO_PADDED = re.compile(r"max\(\s*align_size\s*,\s*seqlen_padded_i\s*\)")
+
+
+def _verl_util_file() -> str | None:
+    mod = sys.modules.get("verl.models.mcore.util")
+    path = getattr(mod, "__file__", None)
+    if path:
+        return path
+    verl = sys.modules.get("verl")
+    roots = list(getattr(verl, "__path__", None) or [])
+    if not roots:
+        try:
+            import importlib.util
+
+            spec = importlib.util.find_spec("verl")  # finds the package without importing it
+        except (ImportError, ValueError):
+            spec = None
+        roots = list(spec.submodule_search_locations or []) if spec is not None else []
+    for root in roots:
+        path = os.path.join(root, "models", "mcore", "util.py")
+        if os.path.isfile(path):
+            return path
+    return None
+
+
+def zigzag_roll_rule() -> str:
+    """``"0.9.1"`` or ``"main"``: the zigzag roll rule of the verl in use (see ZIGZAG_ROLL_RULE).
+    Read from verl's source (whether its preprocess_thd_engine pads a sequence to its padded
+    length); ``"0.9.1"`` when no verl is found."""
+    if ZIGZAG_ROLL_RULE is not None:
+        if ZIGZAG_ROLL_RULE not in ("0.9.1", "main"):
+            raise ValueError(f"ZIGZAG_ROLL_RULE must be '0.9.1', 'main' or None, got {ZIGZAG_ROLL_RULE!r}")
+        return ZIGZAG_ROLL_RULE
+    path = _verl_util_file()
+    if path is None:
+        return "0.9.1"
+    rule = _RULE_BY_FILE.get(path)
+    if rule is None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        start = text.find("def preprocess_thd_engine(")
+        body = text[start:text.find("\ndef ", start + 1)] if start >= 0 else ""
+        rule = "main" if body and not _PAD_TO_PADDED.search(body) else "0.9.1"
+        _RULE_BY_FILE[path] = rule
+    return rule
+
+
+def _main_roll_rows(layout: ThdLayout, cp_rank: int):
+    """Rows where verl main's rolled zigzag pack (cp > 1) differs from 0.9.1's, as three lists:
+    local row, source token (global index into the valid rows, -1 for zero), position id."""
+    cp, align = layout.cp_size, layout.align
+    lens = layout.lengths
+    cu = layout.cu_seqlens_cpu.tolist()
+    cup = layout.cu_seqlens_padded_cpu.tolist()
+    B = len(lens)
+    padded = [cup[i + 1] - cup[i] for i in range(B)]
+    r = cp_rank
+    rows, src, pos = [], [], []
+
+    def first_row_value(k):  # unrolled value and position of sequence k's first local row
+        p = (padded[k] // (2 * cp)) * r
+        return (cu[k] + p if p < lens[k] else -1), p
+
+    for i in range(B):
+        n, P = lens[i], padded[i]
+        if P == 0:
+            continue
+        c = P // (2 * cp)
+        base = cup[i] // cp
+        D = max(n, align)
+        end = min(P - c * r, D)
+        L = end - (P - c * (r + 1))
+        token0 = cu[i] if n > 0 else -1
+        if 0 < L < c:
+            rows.append(base + c + L - 1), src.append(token0), pos.append(0)
+        last = base + 2 * c - 1
+        if i + 1 < B and padded[i + 1] == 0:
+            continue  # the next, empty, sequence zeroes this row under both rules
+        if L < c:
+            # the next local row: the next sequence's first (not empty: see above), or the
+            # buffer's first row after the last sequence
+            if i + 1 < B:
+                k = i + 1
+            elif padded[0] == 0:
+                # an empty first sequence zeroes the buffer's last row after the roll (0.9.1 then
+                # writes token 0 there; main does not), keeping its unrolled position id
+                p = P - c * r - 1
+                rows.append(last), src.append(-1), pos.append(p if p < n else 0)
+                continue
+            else:
+                k = 0
+            t, p = first_row_value(k)
+            rows.append(last), src.append(t), pos.append(p)
+        elif r > 0 and D == P - c * r:
+            rows.append(last), src.append(token0), pos.append(0)
+    return rows, src, pos
+
+
+def _apply_main_roll(packed, position_ids, values, layout, cp_rank):
+    rows, src, pos = _main_roll_rows(layout, cp_rank)
+    if not rows:
+        return packed, position_ids
+    idx = torch.tensor([rows, src, pos], dtype=torch.int64).to(packed.device, non_blocking=True)
+    take = values.index_select(0, idx[1].clamp(min=0))
+    keep = (idx[1] >= 0).view(-1, *([1] * (values.dim() - 1)))
+    packed = packed.index_put((idx[0],), torch.where(keep, take, torch.zeros((), dtype=take.dtype, device=take.device)))
+    position_ids = position_ids.index_put((idx[0],), idx[2])
+    return packed, position_ids
+
+
 def preprocess_thd_engine(
     input_ids: torch.Tensor,
     pre_process: bool = True,
@@ -390,6 +522,8 @@ def preprocess_thd_engine(
         needs_grad = input_ids.requires_grad
     values = input_ids.values() if needs_grad else input_ids._values
     packed, position_ids = preprocess_thd(values, layout, cp_rank, roll=bool(need_roll), validate=False)
+    if need_roll and cp_size > 1 and cp_layout == "zigzag" and zigzag_roll_rule() == "main":
+        packed, position_ids = _apply_main_roll(packed, position_ids, values, layout, cp_rank)
     return packed.unsqueeze(0), packed_seq_params, position_ids.unsqueeze(0)
 
 
