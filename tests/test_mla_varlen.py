@@ -354,11 +354,16 @@ def test_cuda_bad_input():
 @pytest.mark.gpu
 @needs_varlen
 @pytest.mark.skipif(not HOPPER, reason="auto picks varlen on Hopper only")
-def test_cuda_auto_and_megatron_route_ragged_batches_to_varlen():
+def test_cuda_auto_and_megatron_route_ragged_batches_to_varlen(monkeypatch):
+    """Without FlashAttention-4 (where it is installed auto prefers it for self-attention, checked
+    at the end) ragged batches run varlen, through auto and through the Megatron patch."""
     from types import SimpleNamespace
 
+    from verl_ops import _mla
     from verl_ops.integrations.megatron_mla import mla_thd_core_attention
 
+    has_fa4 = _mla._fa4_importable()
+    monkeypatch.setattr(_mla, "_FA4_IMPORTABLE", False)
     c = make_case([1500, 64, 3000, 700], hq=16, hk=16, device="cuda", seed=16)
     before = mla_cache_info()
     out, _ = run(c, backend="auto")
@@ -370,6 +375,11 @@ def test_cuda_auto_and_megatron_route_ragged_batches_to_varlen():
     flat = mla_thd_core_attention(c["q"], c["k"], c["v"], psp)
     assert torch.equal(flat, out.reshape(out.shape[0], -1))
     assert mla_cache_info()["hits"] > after["hits"]
+    if has_fa4:
+        monkeypatch.setattr(_mla, "_FA4_IMPORTABLE", True)
+        flat = mla_thd_core_attention(c["q"], c["k"], c["v"], psp)
+        want = mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_q"], c["max_q"], c["max_q"], backend="fa4")
+        assert torch.equal(flat, want.reshape(want.shape[0], -1))
 
 
 @gpu
@@ -443,3 +453,41 @@ def test_cache_info_under_another_default_device():
     want = mla_cache_info()["available"]
     with torch.device("meta"):
         assert mla_cache_info()["available"] == want
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_FA4, reason="needs flash-attn-4")
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_cuda_auto_takes_fa4_on_ragged_self_attention(monkeypatch, causal):
+    """auto runs FlashAttention-4 for bf16 192/128 self-attention (one offsets tensor) where it is
+    installed, on the edge-case lengths (0 and 1 included), and the result is the reference's; with
+    two offsets tensors (or VERL_OPS_AUTO_FA4=0) auto stays on the native backends."""
+    from verl_ops import _mla
+
+    calls = []
+    real = _mla._fa4_forward
+    monkeypatch.setattr(_mla, "_fa4_forward", lambda *a: calls.append(1) or real(*a))
+    c = make_case([3, 0, 1, 2, 127, 128, 129, 0, 1000], hq=8, hk=8, device="cuda", seed=21)
+    c["cu_kv"] = c["cu_q"]
+    out, (q, k, v) = run(c, causal=causal, backend="auto")
+    assert calls == [1]
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.device, out.dtype)
+    want, _, want_grads = reference(c["q"], c["k"], c["v"], c["cu_q"].cpu(), c["cu_q"].cpu(), causal, None, g)
+    assert out.shape == want.shape and rel_err(out, want) < TOL[torch.bfloat16]
+    out.backward(g)
+    for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), want_grads):
+        assert torch.isfinite(got).all() and rel_err(got, exp) < 2 * TOL[torch.bfloat16], name
+    c["cu_kv"] = c["cu_q"].clone()
+    run(c, causal=causal, backend="auto")
+    assert calls == [1]
+
+
+def test_auto_does_not_take_fa4_off_cuda(monkeypatch):
+    from verl_ops import _mla
+
+    monkeypatch.setattr(_mla, "_FA4_IMPORTABLE", True)
+    c = make_case([3, 5], hq=2, hk=2, dtype=torch.bfloat16)
+    c["cu_kv"] = c["cu_q"]
+    assert not _mla._auto_takes_fa4(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"])
+    out, _ = run(c, backend="auto")  # the CPU reference, not FlashAttention-4
+    assert out.shape == (8, 2, 128)

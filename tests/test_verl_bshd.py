@@ -320,6 +320,8 @@ def test_install_reports_missing(monkeypatch):
 
     util.preprocess_bshd_engine = preprocess_bshd_engine
     util.build_vlm_attn_mask_thd = build_vlm_attn_mask_thd
+    for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")]:
+        monkeypatch.delitem(sys.modules, name)  # (a real verl module imported earlier is not this verl)
     for name in ("verl", "verl.models", "verl.models.mcore"):
         monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
     monkeypatch.setitem(sys.modules, "verl.models.mcore.util", util)

@@ -4,6 +4,7 @@ head dims (value head dim Dv <= query/key head dim Dqk), with autograd (OPS.md s
 from __future__ import annotations
 
 import numbers
+import os
 
 import torch
 
@@ -116,7 +117,8 @@ def mla_forward_padded(
             ``nvidia-cudnn-frontend`` headers, else asking for it on CUDA raises), or ``"auto"``
             (from GPU measurements, see the README: on Hopper, in builds with ``varlen``, batches
             that are not uniform run ``varlen``; uniform ones native where it measured faster;
-            else padded). On the CPU every backend runs the same exact reference.
+            else padded; where flash-attn-4 is installed, eager bf16/fp16 self-attention with
+            head dims 192/128 on Hopper runs ``"fa4"``, which measured faster still). On the CPU every backend runs the same exact reference.
         validate: check the offsets against the data on the host. Default: on when the offsets
             are CPU tensors; CUDA offsets are only checked with ``validate=True`` (a host sync),
             as in FlashAttention. Meta offsets (shape inference) are never read.
@@ -153,6 +155,8 @@ def mla_forward_padded(
         if q.dim() == 3 and k.dim() == 3:
             _validate_offsets(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], int(max_seqlen_q), "max_seqlen_q")
             _validate_offsets(op, "cu_seqlens_kv", cu_seqlens_kv, k.shape[0], int(max_seqlen_kv), "max_seqlen_kv")
+    if backend == "auto" and _auto_takes_fa4(q, k, v, cu_seqlens_q, cu_seqlens_kv):
+        backend = "fa4"
     if backend == "fa4":
         return _fa4_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal,
                             softmax_scale)
@@ -190,6 +194,40 @@ def mla_cache_info() -> dict:
     info = dict(zip(_CACHE_FIELDS, values))
     info["available"] = bool(info["available"])
     return info
+
+
+_FA4_IMPORTABLE = None
+
+
+def _fa4_importable() -> bool:
+    global _FA4_IMPORTABLE
+    if _FA4_IMPORTABLE is None:
+        if os.environ.get("VERL_OPS_AUTO_FA4", "1") == "0":
+            _FA4_IMPORTABLE = False
+        else:
+            try:
+                from flash_attn.cute import flash_attn_varlen_func  # noqa: F401
+
+                _FA4_IMPORTABLE = True
+            except Exception:  # noqa: BLE001  (absent, or present but unusable here)
+                _FA4_IMPORTABLE = False
+    return _FA4_IMPORTABLE
+
+
+def _auto_takes_fa4(q, k, v, cu_q, cu_kv) -> bool:
+    """backend="auto" runs FlashAttention-4 where it is installed and measured faster than every
+    native backend (benchmarks/RESULTS.md, H200): eager bf16 / fp16 self-attention (one offsets
+    tensor for q and kv) with MLA's head dims 192 / 128 on Hopper. Not while tracing or capturing
+    (the op keeps the graph one node); VERL_OPS_AUTO_FA4=0 turns it off."""
+    if not (q.is_cuda and cu_q is cu_kv and q.dim() == 3 and k.dim() == 3 and v.dim() == 3):
+        return False
+    if q.shape[-1] != 192 or v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] != 9:
+        return False
+    return _fa4_importable()
 
 
 def _fa4_varlen_func(op: str):

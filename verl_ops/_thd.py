@@ -79,25 +79,32 @@ class _Unpack(torch.autograd.Function):
     backward = staticmethod(_unpack_backward)
 
 
-def _pack_autograd(values, cu, cu_padded, local_rows, cp_size=1, cp_rank=0, cp_layout=0, roll=False, mask=None):
+# With nothing to record they redispatch straight to the keys below Autograd (the keyset the
+# dispatcher handed in), without a second trip through the dispatcher's entry.
+_after_autograd = torch._C._after_autograd_keyset
+_pack_op = _ops.preprocess_thd.default
+_unpack_op = _ops.postprocess_thd.default
+
+
+# (The dispatcher leaves trailing arguments that equal their schema default out of the call.)
+def _pack_autograd(keyset, values, cu, cu_padded, local_rows, cp_size=1, cp_rank=0, cp_layout=0, roll=False, mask=None):
     args = (values, cu, cu_padded, local_rows, cp_size, cp_rank, cp_layout, roll, mask)
     if values.requires_grad and torch.is_grad_enabled():
         return _Pack.apply(*args)
-    with _BelowAutograd():
-        return _ops.preprocess_thd.default(*args)
+    return _pack_op.redispatch(keyset & _after_autograd, *args)
 
 
-def _unpack_autograd(packed, cu, cu_padded, total_tokens, cp_size=1, cp_rank=-1, cp_layout=0, roll=False, mask=None):
+def _unpack_autograd(keyset, packed, cu, cu_padded, total_tokens, cp_size=1, cp_rank=-1, cp_layout=0, roll=False,
+                     mask=None):
     args = (packed, cu, cu_padded, total_tokens, cp_size, cp_rank, cp_layout, roll, mask)
     if packed.requires_grad and torch.is_grad_enabled():
         return _Unpack.apply(*args)
-    with _BelowAutograd():
-        return _ops.postprocess_thd.default(*args)
+    return _unpack_op.redispatch(keyset & _after_autograd, *args)
 
 
 _autograd_lib = torch.library.Library("verl_ops", "IMPL")
-_autograd_lib.impl("preprocess_thd", _pack_autograd, "Autograd")
-_autograd_lib.impl("postprocess_thd", _unpack_autograd, "Autograd")
+_autograd_lib.impl("preprocess_thd", _pack_autograd, "Autograd", with_keyset=True)
+_autograd_lib.impl("postprocess_thd", _unpack_autograd, "Autograd", with_keyset=True)
 
 
 # --------------------------------------------------------------------------------------------

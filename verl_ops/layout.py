@@ -82,6 +82,15 @@ def _host_lengths(op: str, lengths) -> torch.Tensor:
     return lengths_tensor(op, "lengths", lengths)
 
 
+def _to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on ``device``: on CUDA through pinned memory without blocking the host
+    (the caching host allocator keeps the pinned block until the copy is done); a pageable copy
+    waits for the transfer."""
+    if device.type == "cuda" and not torch.compiler.is_compiling() and not torch.cuda.is_current_stream_capturing():
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
 @dataclass(frozen=True, eq=False)
 class ThdLayout:
     """Where every token of a micro-batch goes in the THD buffer and on which CP rank.
@@ -100,7 +109,9 @@ class ThdLayout:
         align: the per-sequence alignment that was applied.
     """
 
-    lengths: tuple
+    # tuple[int], or (built from the layout op) the op's int64 info tensor whose tail holds the
+    # lengths: turned into the tuple on first use of `lengths` (a 1024-entry tolist is ~15 µs)
+    _lengths: object = field(repr=False)
     tp_size: int
     cp_size: int
     cp_layout: str
@@ -166,15 +177,15 @@ class ThdLayout:
             host, is_offsets, rules["tp_size"], rules["cp_size"], CP_LAYOUT_CODES[rules["cp_layout"]],
             rules["fp8_padding"], rules["min_local_rows"], rules["pad_to_length_bucket"],
         )
-        head = info.tolist()
+        head = info[:_INFO_HEAD].tolist()
         if head[0] >= 0:
             _raise_bad_length(op, name, head[0], head[1])
         device = torch.device(device)
         cu_cpu, cu_padded_cpu = both.unbind(0)
-        cu_dev, cu_padded_dev = (cu_cpu, cu_padded_cpu) if device.type == "cpu" else both.to(device).unbind(0)
+        cu_dev, cu_padded_dev = (cu_cpu, cu_padded_cpu) if device.type == "cpu" else _to_device(both, device).unbind(0)
         total_padded = head[3]
         return cls(
-            lengths=tuple(head[_INFO_HEAD:]),
+            _lengths=info,
             **rules,
             cu_seqlens_cpu=cu_cpu,
             cu_seqlens_padded_cpu=cu_padded_cpu,
@@ -278,7 +289,7 @@ class ThdLayout:
         total_padded = int(cu_padded[-1])
         both = torch.stack([cu, cu_padded]).to(torch.device(device))
         return cls(
-            lengths=lengths,
+            _lengths=lengths,
             **rules,
             cu_seqlens_cpu=cu,
             cu_seqlens_padded_cpu=cu_padded,
@@ -321,8 +332,21 @@ class ThdLayout:
         return layout
 
     @property
+    def lengths(self) -> tuple:
+        """Valid tokens per sequence, ``tuple[int]`` of length B."""
+        ls = self._lengths
+        if not isinstance(ls, tuple):
+            ls = tuple(ls[_INFO_HEAD:].tolist())
+            object.__setattr__(self, "_lengths", ls)
+        return ls
+
+    def __repr__(self) -> str:
+        shown = ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in dataclasses.fields(self) if f.repr)
+        return f"ThdLayout(lengths={self.lengths!r}, {shown})"
+
+    @property
     def batch_size(self) -> int:
-        return len(self.lengths)
+        return self.cu_seqlens_cpu.shape[0] - 1
 
     @property
     def device(self) -> torch.device:
