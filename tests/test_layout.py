@@ -324,3 +324,21 @@ def test_to_device_keeps_everything_but_the_device():
     assert moved.device == torch.device("meta") and moved.cu_seqlens.device == torch.device("meta")
     assert moved.same_as(layout) and moved.lengths == layout.lengths and moved.local_rows == layout.local_rows
     assert layout.to("cpu") is layout
+
+
+def test_layout_from_the_layout_op_sets_every_field():
+    """Layouts built by the layout op (from_lengths / from_nested) set every dataclass field, the
+    same values as a layout built field by field, and their lengths tuple on first use."""
+    import dataclasses
+
+    for build in (lambda: ThdLayout.from_lengths([5, 0, 9], tp_size=2, cp_size=2),
+                  lambda: ThdLayout.from_nested(torch.nested.nested_tensor([torch.ones(5), torch.ones(0), torch.ones(9)],
+                                                                           layout=torch.jagged), tp_size=2, cp_size=2)):
+        lay = build()
+        assert set(vars(lay)) == {f.name for f in dataclasses.fields(ThdLayout)}
+        assert lay.lengths == (5, 0, 9) and lay.batch_size == 3
+        copy = dataclasses.replace(lay)
+        assert copy.lengths == (5, 0, 9) and copy.same_as(lay) and copy.local_rows == lay.local_rows
+        assert "lengths=(5, 0, 9)" in repr(lay)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            lay.local_rows = 3

@@ -47,7 +47,7 @@ JAGGED_REQUIREMENT = (
 
 def is_meta(t) -> bool:
     """True for a tensor on the meta device (no data: shape-only checks)."""
-    return isinstance(t, torch.Tensor) and t.device.type == "meta"
+    return isinstance(t, torch.Tensor) and t.is_meta
 
 
 def host_values_required(op: str, name: str, what: str = "lengths", hint: str | None = None) -> ValueError:

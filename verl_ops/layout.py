@@ -45,13 +45,17 @@ def _rules(op: str, tp_size=1, cp_size=1, cp_layout="zigzag", fp8_padding=False,
            pad_to_length_bucket=None) -> dict:
     """Checked layout rules, as the ThdLayout fields they become (``align`` included); rules of
     plain Python values are checked once and remembered (a training run uses a handful)."""
-    key = (tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket)
-    plain = all(type(v) in _PLAIN for v in key)
-    if plain:
-        key += tuple(type(v) for v in key)  # (True == 1: a bool must not hit an int's entry)
+    # (the types are part of the key: True == 1, but a bool must not hit an int's entry; only
+    # plain values are ever stored, so a hit needs no further check)
+    key = (tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket, type(tp_size),
+           type(cp_size), type(cp_layout), type(fp8_padding), type(min_local_rows), type(pad_to_length_bucket))
+    try:
         hit = _RULES_CACHE.get(key)
-        if hit is not None:
-            return hit
+    except TypeError:  # an unhashable argument
+        hit = None
+    if hit is not None:
+        return hit
+    plain = all(type(v) in _PLAIN for v in key[:6])
     rules = _check_all_rules(op, tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket)
     if plain and len(_RULES_CACHE) < 4096:
         _RULES_CACHE[key] = rules
@@ -184,9 +188,11 @@ class ThdLayout:
         cu_cpu, cu_padded_cpu = both.unbind(0)
         cu_dev, cu_padded_dev = (cu_cpu, cu_padded_cpu) if device.type == "cpu" else _to_device(both, device).unbind(0)
         total_padded = head[3]
-        return cls(
+        # (every field set at once: the frozen dataclass's __init__ sets them one by one, ~3 µs)
+        layout = object.__new__(cls)
+        layout.__dict__.update(
+            rules,
             _lengths=info,
-            **rules,
             cu_seqlens_cpu=cu_cpu,
             cu_seqlens_padded_cpu=cu_padded_cpu,
             cu_seqlens=cu_dev,
@@ -197,7 +203,9 @@ class ThdLayout:
             total_tokens=head[2],
             total_padded=total_padded,
             local_rows=total_padded // rules["cp_size"],
+            source_offsets=None,
         )
+        return layout
 
     @classmethod
     def from_padded_offsets(
@@ -326,7 +334,7 @@ class ThdLayout:
         (default: where ``offsets`` are)."""
         host = offsets if offsets.device.type == "cpu" else offsets.to("cpu")
         layout = cls._from_host(
-            "ThdLayout.from_lengths", "lengths", host.detach(), True, offsets.device if device is None else device, rules
+            "ThdLayout.from_lengths", "lengths", host, True, offsets.device if device is None else device, rules
         )
         object.__setattr__(layout, "source_offsets", offsets)
         return layout
