@@ -60,6 +60,7 @@ from dataclasses import fields, is_dataclass
 
 import torch
 
+from .._library import call_op
 from .._thd import postprocess_thd, preprocess_thd
 from .._validate import check_jagged, check_plain, host_values_required, is_meta
 from ..layout import CP_LAYOUTS, ThdLayout
@@ -528,7 +529,13 @@ def preprocess_thd_engine(
     with torch._C.DisableTorchFunctionSubclass():  # (the nested class's dispatch costs ~30 µs here)
         needs_grad = input_ids.requires_grad
     values = input_ids.values() if needs_grad else input_ids._values
-    packed, position_ids = preprocess_thd(values, layout, cp_rank, roll=bool(need_roll), validate=False)
+    # (the layout lives where the offsets do, which is where the values are, and the values are
+    # [total_tokens, *F] by construction: the op directly, without preprocess_thd's argument checks;
+    # the op itself checks cp_rank)
+    packed, position_ids = call_op(
+        torch.ops.verl_ops.preprocess_thd, values, values, layout.cu_seqlens, layout.cu_seqlens_padded,
+        layout.local_rows, cp_size, cp_rank, layout.cp_layout_code, bool(need_roll), None,
+    )
     if need_roll and cp_size > 1 and cp_layout == "zigzag" and zigzag_roll_rule() == "main":
         packed, position_ids = _apply_main_roll(packed, position_ids, values, layout, cp_rank)
     return packed.unsqueeze(0), packed_seq_params, position_ids.unsqueeze(0)
