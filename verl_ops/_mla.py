@@ -206,8 +206,7 @@ def _fa4_importable() -> bool:
             _FA4_IMPORTABLE = False
         else:
             try:
-                from flash_attn.cute import flash_attn_varlen_func  # noqa: F401
-
+                _fa4_varlen_func("mla_forward_padded")
                 _FA4_IMPORTABLE = True
             except Exception:  # noqa: BLE001  (absent, or present but unusable here)
                 _FA4_IMPORTABLE = False

@@ -458,7 +458,7 @@ def _apply_main_roll(packed, position_ids, values, layout, cp_rank):
     idx = torch.tensor([rows, src, pos], dtype=torch.int64).to(packed.device, non_blocking=True)
     take = values.index_select(0, idx[1].clamp(min=0))
     keep = (idx[1] >= 0).view(-1, *([1] * (values.dim() - 1)))
-    packed = packed.index_put((idx[0],), torch.where(keep, take, torch.zeros((), dtype=take.dtype, device=take.device)))
+    packed = packed.index_put((idx[0],), take.masked_fill(~keep, 0))
     position_ids = position_ids.index_put((idx[0],), idx[2])
     return packed, position_ids
 
