@@ -9,7 +9,7 @@ import torch
 
 from ._library import _BelowAutograd, call_op
 from ._validate import check_jagged, check_plain, device_of, is_jagged_nested, is_meta
-from .layout import ThdLayout
+from .layout import ThdLayout, _to_device
 
 _ops = torch.ops.verl_ops
 
@@ -196,7 +196,7 @@ def _offsets_on(op: str, layout: ThdLayout, t: torch.Tensor) -> tuple[torch.Tens
     device = device_of(t)
     if layout.cu_seqlens.device == device:
         return layout.cu_seqlens, layout.cu_seqlens_padded
-    both = torch.stack([layout.cu_seqlens_cpu, layout.cu_seqlens_padded_cpu]).to(device)
+    both = _to_device(torch.stack([layout.cu_seqlens_cpu, layout.cu_seqlens_padded_cpu]), device)
     return both[0], both[1]
 
 

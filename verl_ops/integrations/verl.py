@@ -132,8 +132,8 @@ def _supports_field(cls, name: str) -> bool:
     return _FIELD_SUPPORT[key]
 
 
-def _make_packed_seq_params(layout: ThdLayout, extra: dict):
-    cls = _packed_seq_params_cls()
+def _make_packed_seq_params(layout: ThdLayout, extra: dict, cls=None):
+    cls = _packed_seq_params_cls() if cls is None else cls
     cu = layout.cu_seqlens_padded
     psp = cls(
         qkv_format="thd",
@@ -152,8 +152,8 @@ def _make_packed_seq_params(layout: ThdLayout, extra: dict):
     return psp
 
 
-def _cp_partition_args(cp_layout: str, cp_size: int) -> dict:
-    if _supports_field(_packed_seq_params_cls(), "cp_partition_mode"):
+def _cp_partition_args(cp_layout: str, cp_size: int, cls=None) -> dict:
+    if _supports_field(_packed_seq_params_cls() if cls is None else cls, "cp_partition_mode"):
         return {"cp_partition_mode": cp_layout}
     if cp_layout != "zigzag" and cp_size > 1:
         raise ValueError(
@@ -512,14 +512,15 @@ def preprocess_thd_engine(
     else:
         cp_size = mpu.get_context_parallel_world_size()
         cp_rank = mpu.get_context_parallel_rank()
-    extra.update(_cp_partition_args(cp_layout, cp_size))
+    psp_cls = _packed_seq_params_cls()
+    extra.update(_cp_partition_args(cp_layout, cp_size, psp_cls))
     # One host read of the offsets; the layout op checks them and computes every size at once.
     # (input_ids and its offsets were checked above: ThdLayout.from_nested without its checks.)
     layout = ThdLayout._from_checked_offsets(
         offsets, None, _layout_rules("ThdLayout.from_lengths", tp_size, cp_size, cp_layout, bool(use_fp8_padding),
                                      min_local_rows, pad_to_length_bucket)
     )
-    packed_seq_params = _make_packed_seq_params(layout, extra)
+    packed_seq_params = _make_packed_seq_params(layout, extra, psp_cls)
     if not pre_process:
         return input_ids, packed_seq_params, None
     # The layout was built from these very offsets (checked above, no holes): pack the values
