@@ -76,9 +76,10 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
       "Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, SymInt max_seqlen_q, "
       "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, int backend=0) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
-  // The varlen backend's plan cache: int64 [6] {compiled, size, hits, misses, builds, failures}
-  // (`like`: any CPU tensor).
-  m.def("mla_cache_info(Tensor like) -> Tensor");
+  // The varlen backend's plan cache: int64 [10] {compiled, size, hits, misses, builds, failures,
+  // evictions, capacity, failed buckets, cuDNN version} (`like`: any CPU tensor; capacity >= 0
+  // sets the cache's capacity first, 0: no limit).
+  m.def("mla_cache_info(Tensor like, int capacity=-1) -> Tensor");
   // --- end mla_forward_padded ---
 }
 

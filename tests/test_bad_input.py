@@ -723,6 +723,12 @@ ARG_CASES = [
          lambda d: verl_router.set_router_replay_data(
              torch.zeros(2, 5, 2, 2, dtype=torch.int16, device=d), torch.ones(2, 5, dtype=torch.bool, device=d),
              TF_CONFIG, replay_mask=torch.ones(10, dtype=torch.bool, device=d)), r"\[B, S\]"),
+    Case("mla_cache_info-capacity_negative", "mla_cache_info", "capacity", ValueError,
+         lambda d: verl_ops.mla_cache_info(capacity=-1), "-1", devices="cpu"),
+    Case("mla_cache_info-capacity_bool", "mla_cache_info", "capacity", ValueError,
+         lambda d: verl_ops.mla_cache_info(capacity=True), "True", devices="cpu"),
+    Case("mla_cache_info-capacity_float", "mla_cache_info", "capacity", ValueError,
+         lambda d: verl_ops.mla_cache_info(capacity=8.0), "8.0", devices="cpu"),
     Case("merge_router_topk_indices-mask_0d", "merge_router_topk_indices", "attention_mask", ValueError,
          lambda d: verl_router.merge_router_topk_indices(
              torch.tensor(True, device=d), torch.zeros(2, 5, device=d), [torch.zeros(8, 2, device=d)], TF_CONFIG),
@@ -738,8 +744,8 @@ def test_arguments(case, device):
 def test_every_public_function_has_bad_input_cases():
     """Each name of verl_ops.__all__ that takes arguments appears in some case of this file."""
     ops_named = {c.op.split(".")[0] for c in LENGTH_CASES + NESTED_CASES + PLAIN_CASES + META_HOST_CASES + ARG_CASES}
-    # DynamicCPPlan: plan_dynamic_cp's result. mla_cache_info: its raw op's `like` has raw cases.
-    no_arguments = {"cuda_available", "__version__", "DynamicCPPlan", "mla_cache_info"}
+    # DynamicCPPlan: plan_dynamic_cp's result.
+    no_arguments = {"cuda_available", "__version__", "DynamicCPPlan"}
     missing = [n for n in verl_ops.__all__ if n not in ops_named and n not in no_arguments]
     assert not missing, missing
 
@@ -1071,6 +1077,8 @@ RAW_CASES = [
          lambda d: ops.mla_cache_info(torch.empty(0, device="meta")), "CPU", devices="cpu"),
     Case("raw-mla_cache_info-like_device", "mla_cache_info", "like", RT,
          lambda d: ops.mla_cache_info(torch.empty(0, device="meta" if d == "cpu" else d)), "CPU"),
+    Case("raw-mla_cache_info-capacity_negative", "mla_cache_info", "capacity", RT,
+         lambda d: ops.mla_cache_info(torch.empty(0), -2), "-2", devices="cpu"),
 ]
 
 @pytest.mark.parametrize("case, device", params(RAW_CASES))

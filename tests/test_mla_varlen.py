@@ -158,12 +158,45 @@ def test_cpu_varlen_is_the_reference(causal):
 
 def test_cache_info_fields():
     info = mla_cache_info()
-    assert set(info) == {"available", "size", "hits", "misses", "builds", "failures"}
+    counters = ("size", "hits", "misses", "builds", "failures", "evictions", "capacity", "failed_buckets")
+    assert set(info) == {"available", "cudnn_version", *counters}
     assert isinstance(info["available"], bool)
-    assert all(isinstance(info[n], int) and info[n] >= 0 for n in ("size", "hits", "misses", "builds", "failures"))
+    assert all(isinstance(info[n], int) and info[n] >= 0 for n in counters)
     if info["available"]:
         assert verl_ops.cuda_available()
+        # the cuDNN the backend loads is torch's
+        assert info["cudnn_version"] == torch.backends.cudnn.version()
+    else:
+        assert info["cudnn_version"] == 0
     assert info["builds"] >= info["size"]
+    assert info["failures"] >= info["failed_buckets"]
+
+
+@pytest.mark.skipif(not VARLEN_BUILT, reason="the plan cache exists in builds with the varlen backend")
+def test_cache_capacity_set_and_restored():
+    previous = mla_cache_info()["capacity"]
+    try:
+        assert mla_cache_info(capacity=7)["capacity"] == 7
+        assert mla_cache_info()["capacity"] == 7  # kept
+        assert mla_cache_info(capacity=0)["capacity"] == 0  # no limit
+        assert OPS.mla_cache_info(torch.empty(0), 3)[7].item() == 3  # the raw op's argument
+        assert OPS.mla_cache_info(torch.empty(0))[7].item() == 3  # -1: unchanged
+    finally:
+        mla_cache_info(capacity=previous)
+    assert mla_cache_info()["capacity"] == previous
+
+
+def test_auto_cudnn_floor_mirror(monkeypatch):
+    """The fake kernels' auto rule takes varlen only with cuDNN >= 9.7.0, as prepare_mla does."""
+    monkeypatch.setattr(_fake, "_VARLEN_BUILT", True)
+    monkeypatch.setattr(_fake, "_VARLEN_DEVICES", {0: True})
+    dev = torch.device("cuda", 0)
+    monkeypatch.setattr(_fake, "_VARLEN_CUDNN", 90700)
+    assert _fake._varlen_auto(dev)
+    monkeypatch.setattr(_fake, "_VARLEN_CUDNN", 90699)
+    assert not _fake._varlen_auto(dev)
+    monkeypatch.setattr(_fake, "_VARLEN_CUDNN", 0)
+    assert not _fake._varlen_auto(dev)
 
 
 @pytest.mark.parametrize(
@@ -281,6 +314,120 @@ def test_cuda_plan_cache_reused_within_a_bucket():
     assert after["hits"] >= before["hits"] + 4
     step([3000, 5, 12])  # max_seqlen 4096: a new bucket
     assert mla_cache_info()["builds"] == after["builds"] + 2
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_new_threads_reuse_handles_and_plans():
+    """A thread gives its cuDNN handle back when it exits and the next thread takes it, with the
+    plans built on it: a program that keeps starting threads builds a bucket's graphs once."""
+    import threading
+
+    c = make_case([300, 17, 129], hq=2, hk=2, dqk=64, dv=64, device="cuda", seed=21)
+    errors = []
+
+    def work():
+        try:
+            out, _ = run(c, scale=0.0517)  # a scale of its own: buckets no other test builds
+            out.backward(torch.ones_like(out))
+            torch.cuda.synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    def in_new_thread():
+        t = threading.Thread(target=work)
+        t.start()
+        t.join()
+        assert not errors, errors
+
+    in_new_thread()
+    first = mla_cache_info()
+    for _ in range(3):
+        in_new_thread()
+    after = mla_cache_info()
+    assert after["builds"] == first["builds"], (first, after)
+    assert after["hits"] >= first["hits"] + 6  # forward and backward of each thread
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_plan_cache_capacity_evicts_least_recently_used():
+    previous = mla_cache_info()["capacity"]
+    # three forward-only buckets (max_seqlen 64, 256, 1024) with a scale of their own
+    cases = [make_case(lengths, hq=2, hk=2, dqk=64, dv=64, device="cuda", seed=30 + i)
+             for i, lengths in enumerate(([40, 3], [200, 7], [900, 1]))]
+
+    def forward(c):
+        with torch.no_grad():
+            mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"],
+                               softmax_scale=0.0371, backend="varlen")
+        torch.cuda.synchronize()
+
+    try:
+        start = mla_cache_info(capacity=1)
+        for c in cases:
+            forward(c)
+        mid = mla_cache_info()
+        assert mid["builds"] == start["builds"] + 3
+        assert mid["evictions"] >= start["evictions"] + 2
+        forward(cases[2])  # the most recently used plan stays
+        assert mla_cache_info()["builds"] == mid["builds"]
+        forward(cases[0])  # the least recently used one went: built again
+        assert mla_cache_info()["builds"] == mid["builds"] + 1
+        out, _ = run(cases[1], scale=0.0371)  # an evicted plan's bucket still computes right
+        want, _, _ = reference(cases[1]["q"], cases[1]["k"], cases[1]["v"], cases[1]["cu_q"], cases[1]["cu_kv"], True, 0.0371)
+        assert rel_err(out.detach(), want) < TOL[torch.bfloat16]
+    finally:
+        mla_cache_info(capacity=previous)
+    assert mla_cache_info()["capacity"] == previous
+
+
+_FAILED_BUILD_SCRIPT = r"""
+import torch, verl_ops
+from verl_ops import mla_cache_info, mla_forward_padded
+q = torch.randn(14, 2, 64, device="cuda", dtype=torch.bfloat16)
+cu = torch.tensor([0, 5, 14], dtype=torch.int32, device="cuda")
+def call():
+    try:
+        mla_forward_padded(q, q, q, cu, cu, 9, 9, causal=True, backend="varlen")
+        torch.cuda.synchronize()
+        return None
+    except RuntimeError as e:
+        return str(e)
+first = call(); after_first = mla_cache_info()
+second = call(); after_second = mla_cache_info()
+print(repr((first, second, after_first, after_second)))
+"""
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_failed_build_is_remembered():
+    """A bucket cuDNN refuses to build raises at once on its later calls, with the same error, without
+    building again. VERL_OPS_CUDNN_SDPA_IMPL=unified (a documented override, read once per process)
+    forces the unified forward engine, which cuDNN before 9.21 refuses for causal masks; with a
+    cuDNN that builds it, the second call must be a plain cache hit instead."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, VERL_OPS_CUDNN_SDPA_IMPL="unified")
+    done = subprocess.run([sys.executable, "-c", _FAILED_BUILD_SCRIPT], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    first, second, a1, a2 = ast.literal_eval(done.stdout.strip().splitlines()[-1])
+    if first is None:  # this cuDNN builds it: the second call reuses the plan
+        assert second is None
+        assert a2["builds"] == a1["builds"] == 1 and a2["hits"] == a1["hits"] + 1
+        return
+    assert first.startswith("mla_forward_padded: cuDNN"), first
+    assert a1["failures"] == 1 and a1["failed_buckets"] == 1 and a1["builds"] == 0
+    assert second == first + " (remembered from an earlier call of this shape bucket)"
+    assert a2["failures"] == 1 and a2["builds"] == 0 and a2["misses"] == a1["misses"] + 1
 
 
 @gpu

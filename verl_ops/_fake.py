@@ -243,17 +243,21 @@ _AUTO_VARLEN = ((192, 128, 0), (64, 64, 0), (128, 128, 0), (192, 192, 0), (256, 
 _MLA_BACKENDS = ("auto", "padded", "native", "varlen")
 # Whether this build has the varlen backend, read once at import (_C is loaded by then): the fake
 # kernels run under fake / functional modes, where calling an op would not return real values.
+# With it, the loaded cuDNN's version: auto uses varlen from kVarlenAutoMinCudnn (9.7.0) on.
 try:
-    _VARLEN_BUILT = bool(torch.ops.verl_ops.mla_cache_info(torch.empty(0, device="cpu"))[0])
+    _cache_probe = torch.ops.verl_ops.mla_cache_info(torch.empty(0, device="cpu")).tolist()
+    _VARLEN_BUILT = bool(_cache_probe[0])
+    _VARLEN_CUDNN = _cache_probe[9] if len(_cache_probe) > 9 else 0
 except (AttributeError, RuntimeError):  # a module built before the op existed
-    _VARLEN_BUILT = False
+    _VARLEN_BUILT, _VARLEN_CUDNN = False, 0
+_VARLEN_AUTO_MIN_CUDNN = 90700
 _VARLEN_DEVICES = {}
 
 
 def _varlen_auto(device: torch.device) -> bool:
-    """Mirrors prepare_mla's varlen_auto: the build has the varlen backend and `device` is a CUDA
-    device of compute capability 9.x."""
-    if device.type != "cuda" or not _VARLEN_BUILT:
+    """Mirrors prepare_mla's varlen_auto: the build has the varlen backend, the loaded cuDNN is
+    9.7.0 or newer, and `device` is a CUDA device of compute capability 9.x."""
+    if device.type != "cuda" or not _VARLEN_BUILT or _VARLEN_CUDNN < _VARLEN_AUTO_MIN_CUDNN:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _VARLEN_DEVICES:
@@ -382,7 +386,8 @@ def _mla_backward_fake(grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seq
 
 
 @torch.library.register_fake("verl_ops::mla_cache_info")
-def _mla_cache_info_fake(like):
+def _mla_cache_info_fake(like, capacity=-1):
     # Host counters: only a CPU `like` names a device they can be returned on.
     _check(like.device.type == "cpu", "mla_cache_info", f"like must be a CPU tensor, got one on {like.device}")
-    return like.new_empty((6,), dtype=torch.int64)
+    _check(capacity >= -1, "mla_cache_info", f"capacity must be -1 (unchanged), 0 (no limit) or a number of plans, got {capacity}")
+    return like.new_empty((10,), dtype=torch.int64)

@@ -17,7 +17,8 @@ BACKENDS = ("auto", "padded", "native", "varlen")
 # kernels when flash-attn-4 is installed (an optional extra: pip install verl_ops[fa4]).
 EXTRA_BACKENDS = ("fa4",)
 
-_CACHE_FIELDS = ("available", "size", "hits", "misses", "builds", "failures")
+_CACHE_FIELDS = ("available", "size", "hits", "misses", "builds", "failures", "evictions", "capacity",
+                 "failed_buckets", "cudnn_version")
 
 
 def _setup_context(ctx, inputs, output):
@@ -175,22 +176,36 @@ def mla_forward_padded(
     return out
 
 
-def mla_cache_info() -> dict:
+def mla_cache_info(*, capacity: int | None = None) -> dict:
     """Counters of the ``backend="varlen"`` plan cache of :func:`mla_forward_padded`.
 
     cuDNN graphs are built per bucket of shapes: the batch size rounded up to a power of two (the
     extra sequences have length 0), ``max_seqlen_q`` / ``max_seqlen_kv`` rounded up to a power of
     two (at least 64), and, for the backward, the token totals rounded up in quarter-octave steps
     (they size its workspace); plus dtype, heads, head dims, causal, softmax scale, device and the
-    calling thread (each thread has its own cuDNN handle). In a steady training run ``builds``
-    stops growing.
+    cuDNN handle (one per thread at a time: a thread takes a handle from a per-device pool on its
+    first call and gives it back when it exits, so later threads reuse its plans). In a steady
+    training run ``builds`` stops growing.
+
+    The cache keeps at most ``capacity`` plans (default 256, or the environment variable
+    ``VERL_OPS_MLA_PLAN_CACHE_SIZE`` read at the first call; 0: no limit) and drops the least
+    recently used beyond that, except plans used inside a CUDA-graph capture, which the graph may
+    replay. A bucket whose build failed is remembered: its later calls raise the same error at once.
+
+    Args:
+        capacity: when given, sets the cache's capacity first (an int >= 0; 0: no limit).
 
     Returns:
-        ``{"available": bool, "size": int, "hits": int, "misses": int, "builds": int,
-        "failures": int}``: whether this build has the varlen backend, the cached plans, lookups
-        that found a plan, lookups that did not, graphs built, and builds cuDNN refused.
+        ``{"available": bool, "size", "hits", "misses", "builds", "failures", "evictions",
+        "capacity", "failed_buckets", "cudnn_version": int}``: whether this build has the varlen
+        backend, the cached plans, lookups that found a plan, lookups that did not, graphs built,
+        builds cuDNN refused, plans evicted, the capacity, buckets remembered as failed, and the
+        loaded cuDNN's version (e.g. 91900 for 9.19.0; 0 when none is loaded or the backend is
+        not built). ``backend="auto"`` uses varlen only with cuDNN 9.7.0 or newer.
     """
-    values = _ops.mla_cache_info(torch.empty(0, device="cpu")).tolist()
+    if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
+        raise ValueError(f"mla_cache_info: capacity must be an int >= 0 (0: no limit), got {capacity!r}")
+    values = _ops.mla_cache_info(torch.empty(0, device="cpu"), -1 if capacity is None else capacity).tolist()
     info = dict(zip(_CACHE_FIELDS, values))
     info["available"] = bool(info["available"])
     return info

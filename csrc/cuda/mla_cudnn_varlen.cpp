@@ -6,12 +6,18 @@
 // dependency on cuDNN (or on NVRTC, which parts of the frontend use): libcudnn.so.<major> is
 // dlopen'ed on the first varlen call (torch has loaded it already: its CUDA wheels depend on
 // nvidia-cudnn-cu*), and a build of verl_ops without a loadable cuDNN still imports.
-// Handles: the stable ABI does not reach torch's cuDNN handle, so each thread gets one handle per
-// device (created on its first call there, never destroyed: the plans built with it live in the
-// cache for the whole process). Its stream is set to the caller's stream on every call.
-// Plans: one per (handle, bucket), built on the first call of a bucket and kept. Building is
-// slow (heuristics, plan compilation) and cannot be captured in a CUDA graph; executing is one
-// cuDNN launch sequence and can.
+// Handles: the stable ABI does not reach torch's cuDNN handle, so the module keeps its own, one per
+// thread and device at a time: a thread takes one from a per-device pool on its first call there
+// and gives it back when it exits, so a program that keeps starting threads reuses a few handles
+// (and the plans built with them) instead of creating one per thread. Handles are never
+// destroyed (cudnnDestroy synchronises the device). Their stream is set to the caller's on every
+// call.
+// Plans: one per (handle, bucket), built on the first call of a bucket, kept in a cache of at most
+// `capacity` plans (least recently used first out; VERL_OPS_MLA_PLAN_CACHE_SIZE, default 256,
+// 0 = no limit; plans used inside a CUDA-graph capture are never evicted, the graph may replay
+// them). Building is slow (heuristics, plan compilation) and cannot be captured in a CUDA graph;
+// executing is one cuDNN launch sequence and can. A bucket whose build failed is remembered: later
+// calls of it raise the same error at once instead of building again.
 #include "mla_cudnn_varlen.h"
 
 #define NV_CUDNN_FRONTEND_USE_DYNAMIC_LOADING 1
@@ -25,6 +31,7 @@
 #include <cstring>
 #include <exception>
 #include <functional>
+#include <list>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -52,6 +59,7 @@ struct VarlenPlan {
   cudnnHandle_t handle = nullptr;
   int64_t workspace = 0;
   bool backward = false;
+  bool pinned = false;  // used inside a CUDA-graph capture: never evicted (guarded by the cache mutex)
 };
 
 namespace {
@@ -121,12 +129,45 @@ struct KeyHash {
   }
 };
 
+int64_t default_capacity() {
+  const char* env = std::getenv("VERL_OPS_MLA_PLAN_CACHE_SIZE");
+  if (env == nullptr || *env == '\0') return 256;
+  char* end = nullptr;
+  const long long v = std::strtoll(env, &end, 10);
+  return (end != nullptr && *end == '\0' && v >= 0) ? static_cast<int64_t>(v) : 256;
+}
+
 // Process-lifetime state (never destroyed: plans must not be torn down after cuDNN or the CUDA
-// runtime at exit).
+// runtime at exit). `plans` maps a key to its plan and its place in `order` (most recently used
+// first); `failed` remembers the error of every bucket whose build failed (keyed without handle).
 struct Cache {
+  using Order = std::list<Key>;
+  struct Entry {
+    std::shared_ptr<VarlenPlan> plan;
+    Order::iterator where;
+  };
   std::mutex mutex;
-  std::unordered_map<Key, std::unique_ptr<VarlenPlan>, KeyHash> plans;
-  std::atomic<int64_t> hits{0}, misses{0}, builds{0}, failures{0};
+  std::unordered_map<Key, Entry, KeyHash> plans;
+  Order order;
+  std::unordered_map<Key, std::string, KeyHash> failed;
+  int64_t capacity = default_capacity();
+  std::atomic<int64_t> hits{0}, misses{0}, builds{0}, failures{0}, evictions{0};
+
+  // Drops least recently used plans (not pinned ones) until at most `capacity` remain; called with
+  // the mutex held. A caller still running an evicted plan holds its own reference.
+  void trim() {
+    if (capacity <= 0 || order.empty()) return;
+    auto it = order.end();
+    const auto newest = order.begin();  // the plan just used is never the one to go
+    while (static_cast<int64_t>(plans.size()) > capacity && it != std::next(newest)) {
+      --it;
+      const auto found = plans.find(*it);
+      if (found->second.plan->pinned) continue;
+      plans.erase(found);
+      it = order.erase(it);
+      evictions.fetch_add(1, std::memory_order_relaxed);
+    }
+  }
 };
 
 Cache& cache() {
@@ -134,19 +175,47 @@ Cache& cache() {
   return *c;
 }
 
+// Free handles per device (process lifetime, never destroyed).
+struct HandlePool {
+  std::mutex mutex;
+  std::unordered_map<int, std::vector<cudnnHandle_t>> free;
+};
+
+HandlePool& handle_pool() {
+  static HandlePool* p = new HandlePool();
+  return *p;
+}
+
+// The handles a thread holds, one per device, given back to the pool when the thread exits.
+struct ThreadHandles {
+  std::unordered_map<int, cudnnHandle_t> held;
+  ~ThreadHandles() {
+    if (held.empty()) return;
+    HandlePool& pool = handle_pool();
+    std::lock_guard<std::mutex> lock(pool.mutex);
+    for (const auto& [device, h] : held) pool.free[device].push_back(h);
+  }
+};
+
+// The frontend dlopens the CUDA runtime, choosing among the versions it finds by name; it is
+// pointed at the runtime this module is linked against (the one torch uses), unless
+// CUDNN_FRONTEND_CUDART_LIB_NAME is set already. Set when the module loads (import), not on a
+// first call that may run beside other threads reading the environment.
+[[maybe_unused]] const bool kCudartNamed = [] {
+  Dl_info info{};
+  if (std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME") == nullptr &&
+      dladdr(reinterpret_cast<void*>(&cudaGetDevice), &info) != 0 && info.dli_fname != nullptr) {
+    return setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", info.dli_fname, 0) == 0;
+  }
+  return false;
+}();
+
 // Opens cuDNN once per process (before any frontend call: the frontend resolves each cuDNN symbol
-// once, on its first use). The frontend also dlopens the CUDA runtime, choosing among the
-// versions it finds by name; it is pointed at the runtime this module is linked against (the one
-// torch uses), unless CUDNN_FRONTEND_CUDART_LIB_NAME is set already.
-void load_cudnn(const char* op) {
+// once, on its first use). Returns the error text, empty when cuDNN is loaded.
+const std::string& cudnn_load_error() {
   static std::once_flag once;
   static std::string* error = new std::string();
   std::call_once(once, [] {
-    Dl_info info{};
-    if (std::getenv("CUDNN_FRONTEND_CUDART_LIB_NAME") == nullptr &&
-        dladdr(reinterpret_cast<void*>(&cudaGetDevice), &info) != 0 && info.dli_fname != nullptr) {
-      setenv("CUDNN_FRONTEND_CUDART_LIB_NAME", info.dli_fname, 0);
-    }
     const std::string name = "libcudnn.so." + std::to_string(CUDNN_MAJOR);
     void* h = dlopen(name.c_str(), RTLD_NOW | RTLD_LOCAL);
     if (h == nullptr) {
@@ -156,8 +225,13 @@ void load_cudnn(const char* op) {
     }
     fe::cudnn_dlhandle = h;
   });
+  return *error;
+}
+
+void load_cudnn(const char* op) {
+  const std::string& error = cudnn_load_error();
   if (fe::cudnn_dlhandle == nullptr) {
-    fail(op, "backend='varlen' could not load cuDNN (", *error,
+    fail(op, "backend='varlen' could not load cuDNN (", error,
          "); torch's CUDA wheels install it (the nvidia-cudnn package of their CUDA major), or "
          "put its lib directory on LD_LIBRARY_PATH");
   }
@@ -172,11 +246,12 @@ bool capturing(cudaStream_t stream) {
   return status != cudaStreamCaptureStatusNone;
 }
 
-// The calling thread's handle on `device` (the current device), created when `create` is set.
+// The calling thread's handle on `device` (the current device): the one it holds, else one from
+// the pool or a new one when `create` is set (else null).
 cudnnHandle_t thread_handle(const char* op, int device, bool create) {
-  thread_local std::unordered_map<int, cudnnHandle_t> handles;
-  const auto it = handles.find(device);
-  if (it != handles.end()) return it->second;
+  thread_local ThreadHandles handles;
+  const auto it = handles.held.find(device);
+  if (it != handles.held.end()) return it->second;
   if (!create) return nullptr;
   int current = -1;
   if (cudaGetDevice(&current) != cudaSuccess || current != device) {
@@ -185,11 +260,22 @@ cudnnHandle_t thread_handle(const char* op, int device, bool create) {
          device, ")");
   }
   cudnnHandle_t h = nullptr;
-  const cudnnStatus_t st = fe::detail::create_handle(&h);
-  if (st != CUDNN_STATUS_SUCCESS) {
-    fail(op, "cudnnCreate failed for the varlen backend: ", fe::detail::get_error_string(st));
+  {
+    HandlePool& pool = handle_pool();
+    std::lock_guard<std::mutex> lock(pool.mutex);
+    auto& free = pool.free[device];
+    if (!free.empty()) {
+      h = free.back();
+      free.pop_back();
+    }
   }
-  handles.emplace(device, h);
+  if (h == nullptr) {
+    const cudnnStatus_t st = fe::detail::create_handle(&h);
+    if (st != CUDNN_STATUS_SUCCESS) {
+      fail(op, "cudnnCreate failed for the varlen backend: ", fe::detail::get_error_string(st));
+    }
+  }
+  handles.held.emplace(device, h);
   return h;
 }
 
@@ -360,9 +446,9 @@ std::shared_ptr<fe::graph::Graph> build_graph(const char* op, const VarlenProble
   return g;
 }
 
-std::unique_ptr<VarlenPlan> build_plan(const char* op, const VarlenProblem& p, float scale,
+std::shared_ptr<VarlenPlan> build_plan(const char* op, const VarlenProblem& p, float scale,
                                        cudnnHandle_t handle) {
-  auto plan = std::make_unique<VarlenPlan>();
+  auto plan = std::make_shared<VarlenPlan>();
   plan->handle = handle;
   plan->backward = p.backward;
   const fe::AttentionImplementation_t impl = forward_implementation();
@@ -425,18 +511,29 @@ void add_metadata(std::unordered_map<int64_t, void*>& pack, const VarlenMetadata
 
 }  // namespace
 
-const VarlenPlan* varlen_plan(const char* op, const VarlenProblem& bucket, cudaStream_t stream) {
+std::shared_ptr<const VarlenPlan> varlen_plan(const char* op, const VarlenProblem& bucket,
+                                              cudaStream_t stream) {
   load_cudnn(op);
   const bool in_capture = capturing(stream);
   const cudnnHandle_t handle = thread_handle(op, bucket.device, !in_capture);
   const Key key{bucket, handle, static_cast<float>(bucket.scale)};
+  const Key bucket_key{bucket, nullptr, key.scale};
   Cache& c = cache();
-  if (handle != nullptr) {
+  {
     std::lock_guard<std::mutex> lock(c.mutex);
-    const auto it = c.plans.find(key);
-    if (it != c.plans.end()) {
-      c.hits.fetch_add(1, std::memory_order_relaxed);
-      return it->second.get();
+    if (handle != nullptr) {
+      const auto it = c.plans.find(key);
+      if (it != c.plans.end()) {
+        c.hits.fetch_add(1, std::memory_order_relaxed);
+        c.order.splice(c.order.begin(), c.order, it->second.where);
+        if (in_capture) it->second.plan->pinned = true;
+        return it->second.plan;
+      }
+    }
+    const auto failed = c.failed.find(bucket_key);
+    if (failed != c.failed.end()) {
+      c.misses.fetch_add(1, std::memory_order_relaxed);
+      throw std::runtime_error(failed->second + " (remembered from an earlier call of this shape bucket)");
     }
   }
   c.misses.fetch_add(1, std::memory_order_relaxed);
@@ -447,19 +544,45 @@ const VarlenPlan* varlen_plan(const char* op, const VarlenProblem& bucket, cudaS
          " on this thread, and building one cannot be captured in a CUDA graph: run one call of "
          "this shape (forward and backward) before capturing");
   }
-  std::unique_ptr<VarlenPlan> plan;
+  std::shared_ptr<VarlenPlan> plan;
   try {
     plan = build_plan(op, bucket, key.scale, handle);
-  } catch (...) {
+  } catch (const std::exception& e) {
     c.failures.fetch_add(1, std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(c.mutex);
+    c.failed.emplace(bucket_key, e.what());
     throw;
   }
   c.builds.fetch_add(1, std::memory_order_relaxed);
   std::lock_guard<std::mutex> lock(c.mutex);
-  // Keys carry this thread's handle, so no other thread inserts this key meanwhile.
-  auto& slot = c.plans[key];
-  if (!slot) slot = std::move(plan);
-  return slot.get();
+  // Keys carry this thread's handle, which no other thread holds: no one inserted this key meanwhile.
+  const auto found = c.plans.find(key);
+  if (found != c.plans.end()) return found->second.plan;
+  c.order.push_front(key);
+  c.plans.emplace(key, Cache::Entry{plan, c.order.begin()});
+  c.trim();
+  return plan;
+}
+
+int64_t varlen_cudnn_version() {
+  static const int64_t version = [] {
+    if (!cudnn_load_error().empty() || fe::cudnn_dlhandle == nullptr) return int64_t{0};
+    try {
+      return static_cast<int64_t>(fe::detail::get_backend_version());
+    } catch (...) {
+      return int64_t{0};
+    }
+  }();
+  return version;
+}
+
+int64_t varlen_set_cache_capacity(int64_t capacity) {
+  Cache& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  const int64_t previous = c.capacity;
+  c.capacity = capacity;
+  c.trim();
+  return previous;
 }
 
 int64_t varlen_workspace_bytes(const VarlenPlan* plan) { return plan->workspace; }
@@ -497,11 +620,14 @@ VarlenCacheStats varlen_cache_stats() {
   {
     std::lock_guard<std::mutex> lock(c.mutex);
     s.size = static_cast<int64_t>(c.plans.size());
+    s.capacity = c.capacity;
+    s.failed_buckets = static_cast<int64_t>(c.failed.size());
   }
   s.hits = c.hits.load();
   s.misses = c.misses.load();
   s.builds = c.builds.load();
   s.failures = c.failures.load();
+  s.evictions = c.evictions.load();
   return s;
 }
 

@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 
 namespace verl_ops {
 namespace cuda {
@@ -114,19 +115,36 @@ cudaError_t launch_varlen_empty_rows_backward(const int32_t* cu_q, const int32_t
 
 // Whether backend=auto may choose the varlen backend on `device`: a device of compute capability
 // 9.x (Hopper, where it was measured; on 8.x cuDNN has no backward for ragged log-sum-exp).
-// Cached per device; false when the device cannot be queried.
+// Cached per device; false when the device cannot be queried. (Builds with the backend also ask
+// for a loaded cuDNN of at least kVarlenAutoMinCudnn.)
 bool varlen_auto_device(int device);
+
+// The oldest cuDNN that backend=auto sends work to the varlen backend with: 9.7.0, the first whose
+// SDPA has every feature the graphs use (ragged int64 offsets, the padding mask, bottom-right
+// causal alignment). Mirrored in verl_ops/_fake.py.
+constexpr int64_t kVarlenAutoMinCudnn = 90700;
 
 #ifdef VERL_OPS_WITH_CUDNN_FE
 
-// A built cuDNN graph (opaque; owned by the plan cache, alive until the process exits).
+// A built cuDNN graph (opaque; owned by the plan cache, which may evict it: a caller keeps its
+// reference for as long as it runs the plan).
 struct VarlenPlan;
 
 // The plan of `bucket` (a varlen_bucket result) for the calling thread's cuDNN handle on
 // bucket.device, built on a miss. Throws std::runtime_error naming `op` when cuDNN cannot build
-// it, or on a miss while `stream` is being captured into a CUDA graph (building is not
-// capturable: run the shape once before capture).
-const VarlenPlan* varlen_plan(const char* op, const VarlenProblem& bucket, cudaStream_t stream);
+// it (remembered: later calls of the bucket raise the same error without building), or on a miss
+// while `stream` is being captured into a CUDA graph (building is not capturable: run the shape
+// once before capture; a plan used during a capture is never evicted).
+std::shared_ptr<const VarlenPlan> varlen_plan(const char* op, const VarlenProblem& bucket,
+                                              cudaStream_t stream);
+
+// The loaded cuDNN's version (cudnnGetVersion: major * 10000 + minor * 100 + patch), 0 when cuDNN
+// cannot be loaded. Read once.
+int64_t varlen_cudnn_version();
+
+// Sets the plan cache's capacity (0: no limit; the least recently used plans beyond it are
+// dropped now and later) and returns the previous one.
+int64_t varlen_set_cache_capacity(int64_t capacity);
 
 // Workspace bytes the plan needs at execution.
 int64_t varlen_workspace_bytes(const VarlenPlan* plan);
@@ -161,9 +179,10 @@ void varlen_backward(const char* op, const VarlenPlan* plan, const VarlenBackwar
                      void* workspace, cudaStream_t stream);
 
 // Plan cache counters: entries, lookups that found a plan, lookups that did not, graphs built,
-// builds that failed.
+// builds that failed, plans evicted, the capacity (0: no limit), buckets whose build failed.
 struct VarlenCacheStats {
-  int64_t size = 0, hits = 0, misses = 0, builds = 0, failures = 0;
+  int64_t size = 0, hits = 0, misses = 0, builds = 0, failures = 0, evictions = 0, capacity = 0,
+          failed_buckets = 0;
 };
 
 VarlenCacheStats varlen_cache_stats();

@@ -255,7 +255,8 @@ MlaCall prepare_mla(const char* op, MlaDevice device, const Tensor& q, const Ten
   // auto may pick varlen only on CUDA devices it was measured on, in builds that have it.
   bool varlen_auto = false;
 #ifdef VERL_OPS_WITH_CUDNN_FE
-  varlen_auto = device == MlaDevice::kCuda && cuda::varlen_auto_device(q.get_device_index());
+  varlen_auto = device == MlaDevice::kCuda && cuda::varlen_auto_device(q.get_device_index()) &&
+                cuda::varlen_cudnn_version() >= cuda::kVarlenAutoMinCudnn;
 #endif
   c.backend = resolve_mla_backend(op, backend, c.s, max_seqlen_q, max_seqlen_kv, causal,
                                   shares_offsets(cu_seqlens_q, cu_seqlens_kv), varlen_auto);
@@ -263,11 +264,14 @@ MlaCall prepare_mla(const char* op, MlaDevice device, const Tensor& q, const Ten
   return c;
 }
 
-Tensor mla_cache_info(const Tensor& like) {
+Tensor mla_cache_info(const Tensor& like, int64_t capacity) {
   VERL_CHECK(like.is_cpu(), "mla_cache_info: like must be a CPU tensor, got one on ",
              st::device_of(like));
-  Tensor info = st::zeros(like, {6}, st::kLong);
+  VERL_CHECK(capacity >= -1, "mla_cache_info: capacity must be -1 (unchanged), 0 (no limit) or a "
+             "number of plans, got ", capacity);
+  Tensor info = st::zeros(like, {kMlaCacheInfoFields}, st::kLong);
 #ifdef VERL_OPS_WITH_CUDNN_FE
+  if (capacity >= 0) cuda::varlen_set_cache_capacity(capacity);
   const cuda::VarlenCacheStats s = cuda::varlen_cache_stats();
   int64_t* p = st::ptr<int64_t>(info);
   p[0] = 1;
@@ -276,6 +280,10 @@ Tensor mla_cache_info(const Tensor& like) {
   p[3] = s.misses;
   p[4] = s.builds;
   p[5] = s.failures;
+  p[6] = s.evictions;
+  p[7] = s.capacity;
+  p[8] = s.failed_buckets;
+  p[9] = cuda::varlen_cudnn_version();
 #endif
   return info;
 }

@@ -110,10 +110,13 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cpu(
     int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal, std::optional<double> softmax_scale,
     int64_t backend);
 
-// The varlen backend's plan cache: int64 [6] CPU tensor {compiled (1 when this build has the
-// backend), size, hits, misses, builds, failed builds}. `like` is any CPU tensor (the op needs one
-// tensor argument to dispatch).
-Tensor mla_cache_info(const Tensor& like);
+// The varlen backend's plan cache: int64 [kMlaCacheInfoFields] CPU tensor {compiled (1 when this
+// build has the backend), size, hits, misses, builds, failed builds, evictions, capacity (0: no
+// limit), buckets whose build failed (remembered), the loaded cuDNN's version (0: none)}. `like`
+// is any CPU tensor (the op needs one tensor argument to dispatch). `capacity` >= 0 sets the
+// cache's capacity first (-1: unchanged).
+constexpr int64_t kMlaCacheInfoFields = 10;
+Tensor mla_cache_info(const Tensor& like, int64_t capacity);
 
 #ifdef VERL_OPS_WITH_CUDA
 std::tuple<Tensor, Tensor> mla_forward_padded_cuda(

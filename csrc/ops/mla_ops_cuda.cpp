@@ -273,7 +273,7 @@ Tensor cudnn_rows(const Tensor& t) {
 // a query (no fix-up of empty rows, and the causal diagonal needs no bottom-right alignment).
 struct VarlenCall {
   cuda::VarlenProblem bucket;
-  const cuda::VarlenPlan* plan = nullptr;
+  std::shared_ptr<const cuda::VarlenPlan> plan;
   Tensor metadata;
   cuda::VarlenMetadata meta;
   cudaStream_t stream = nullptr;
@@ -326,7 +326,7 @@ VarlenCall prepare_varlen(const char* op, bool backward, const Tensor& q,
 // The plan's workspace (kept alive by the returned tensor until the call's launches are queued;
 // the caching allocator orders its reuse on the stream).
 std::tuple<Tensor, void*> varlen_workspace(const VarlenCall& c, const Tensor& like) {
-  const int64_t bytes = cuda::varlen_workspace_bytes(c.plan);
+  const int64_t bytes = cuda::varlen_workspace_bytes(c.plan.get());
   Tensor ws = st::empty(like, {bytes > 0 ? bytes : 1}, st::kByte);
   return {ws, bytes > 0 ? ws.data_ptr() : nullptr};
 }
@@ -349,7 +349,7 @@ std::tuple<Tensor, Tensor> varlen_forward(const char* op, const Tensor& q, const
   a.out = out.data_ptr();
   a.stats = st::ptr<float>(stats);
   a.meta = c.meta;
-  cuda::varlen_forward(op, c.plan, a, ws_ptr, c.stream);
+  cuda::varlen_forward(op, c.plan.get(), a, ws_ptr, c.stream);
   if (!c.self_attention) {
     st::check_launch(op, cuda::launch_varlen_empty_rows_forward(
                              st::ptr<int32_t>(c.cu_q), st::ptr<int32_t>(c.cu_kv), s.batch, causal,
@@ -383,7 +383,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(
   a.grad_k = dk.data_ptr();
   a.grad_v = dv.data_ptr();
   a.meta = c.meta;
-  cuda::varlen_backward(op, c.plan, a, ws_ptr, c.stream);
+  cuda::varlen_backward(op, c.plan.get(), a, ws_ptr, c.stream);
   if (!c.self_attention) {
     st::check_launch(op, cuda::launch_varlen_empty_rows_backward(
                              st::ptr<int32_t>(c.cu_q), st::ptr<int32_t>(c.cu_kv), s.batch, causal,
