@@ -19,7 +19,10 @@ CUDA events (verl_ops.timing.device_time). Layers:
   API, nested input       the same from a jagged nested tensor
   verl drop-in            verl_ops.integrations.verl.preprocess_thd_engine(nested) end to end,
                           layout built from the nested tensor's device offsets (megatron stubbed;
-                          its one host read waits for the work queued before it)
+                          its one host read waits for the work queued before it: in this
+                          back-to-back loop, the previous call's kernel)
+  ..., idle stream        the same, each call timed alone after a synchronisation: the call's
+                          own cost, its host read waiting only for its own transfer
   aten floor              torch.ops.aten.index_select.default(values, 0, index) from Python: an
                           aten op with one output allocation and one launch, for scale
 
@@ -93,8 +96,8 @@ def main():
         f"### Host cost per call ({name}, torch {torch.__version__})",
         "",
         "| batch | cp | raw op (Autograd key) | raw op below Autograd | API (before) | API | API, nested input "
-        "| verl drop-in e2e | aten floor | kernel device time |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| verl drop-in e2e | verl drop-in e2e, idle stream | aten floor | kernel device time |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     for label, B, feat, dtype in (("256 seqs ids int64", 256, (), torch.int64), ("1024 seqs fp32 [.,1]", 1024, (1,), torch.float32)):
@@ -120,13 +123,14 @@ def main():
             t_api = host_time(lambda: verl_ops.preprocess_thd(values, layout, 0, validate=False), device, args.n)
             t_nested = host_time(lambda: verl_ops.preprocess_thd(nested, layout, 0, validate=False), device, args.n)
             cfg.cp, cfg.cp_rank = cp, 0
-            t_dropin = host_time(lambda: vi.preprocess_thd_engine(nested), device, max(50, args.n // 20))
+            t_dropin = host_time(lambda: vi.preprocess_thd_engine(nested), device, max(64, args.n // 10))
+            t_dropin_idle = host_time(lambda: vi.preprocess_thd_engine(nested), device, max(64, args.n // 10), chunk=1)
             index = torch.arange(0, T, 2, device=device)
             t_aten = host_time(lambda: torch.ops.aten.index_select.default(values, 0, index), device, args.n)
             t_dev = device_time(lambda i: op(*raw_args), device, 50) if device.type == "cuda" else float("nan")
             us = lambda t: f"{t * 1e6:.1f} µs"  # noqa: E731
             row = (f"| {label} | {cp} | {us(t_raw)} | {us(t_below)} | {us(t_before)} | {us(t_api)} | {us(t_nested)} "
-                   f"| {us(t_dropin)} | {us(t_aten)} | {us(t_dev)} |")
+                   f"| {us(t_dropin)} | {us(t_dropin_idle)} | {us(t_aten)} | {us(t_dev)} |")
             lines.append(row)
             print(row, flush=True)
     mp.undo()
