@@ -87,13 +87,18 @@ core::ShardSpec make_spec(const Tensor& cu, int64_t local_rows, int64_t cp_size,
   return core::ShardSpec{cu.size(0) - 1, local_rows, static_cast<int32_t>(cp_size), layout};
 }
 
+// `x` (named `name` in errors), a 1-D CPU tensor of any integer dtype, as contiguous int64.
+Tensor host_int64(const char* op, const char* name, const Tensor& x) {
+  VERL_CHECK(x.is_cpu(), op, ": ", name, " must be a CPU tensor, got ", st::device_of(x));
+  VERL_CHECK(x.dim() == 1, op, ": ", name, " must be 1-D, got shape ", st::shape_of(x));
+  VERL_CHECK(st::is_integral(x.scalar_type()), op, ": ", name, " must be an integer tensor, got ",
+             st::dtype_name(x.scalar_type()));
+  return st::contiguous(st::to_dtype(x, st::kLong));
+}
+
 // lengths of any integer dtype -> int64 host values.
 std::vector<int64_t> host_lengths(const char* op, const Tensor& lengths) {
-  VERL_CHECK(lengths.is_cpu(), op, ": lengths must be a CPU tensor, got ", st::device_of(lengths));
-  VERL_CHECK(lengths.dim() == 1, op, ": lengths must be 1-D, got shape ", st::shape_of(lengths));
-  VERL_CHECK(st::is_integral(lengths.scalar_type()), op, ": lengths must be an integer tensor, got ",
-             st::dtype_name(lengths.scalar_type()));
-  const Tensor l64 = st::contiguous(st::to_dtype(lengths, st::kLong));
+  const Tensor l64 = host_int64(op, "lengths", lengths);
   const int64_t* l = st::ptr<int64_t>(l64);
   std::vector<int64_t> out(l, l + l64.size(0));
   for (size_t i = 0; i < out.size(); ++i) {
@@ -189,13 +194,8 @@ std::tuple<Tensor, Tensor> thd_layout_info(const Tensor& x, bool x_is_offsets, i
   constexpr const char* op = "thd_layout_info";
   const core::LayoutParams p =
       layout_params(op, tp_size, cp_size, cp_layout, fp8_padding, min_local_rows, pad_to_length_bucket);
-  const char* name = x_is_offsets ? "offsets" : "lengths";
-  VERL_CHECK(x.is_cpu(), op, ": ", name, " must be a CPU tensor, got ", st::device_of(x));
-  VERL_CHECK(x.dim() == 1, op, ": ", name, " must be 1-D, got shape ", st::shape_of(x));
-  VERL_CHECK(st::is_integral(x.scalar_type()) && x.scalar_type() != st::kBool, op, ": ", name,
-             " must be an integer tensor, got ", st::dtype_name(x.scalar_type()));
+  const Tensor x64 = host_int64(op, x_is_offsets ? "offsets" : "lengths", x);
   VERL_CHECK(!x_is_offsets || x.size(0) >= 1, op, ": offsets must have B + 1 >= 1 entries, got 0");
-  const Tensor x64 = st::contiguous(st::to_dtype(x, st::kLong));
   const int64_t* v = st::ptr<int64_t>(x64);
   const int64_t B = x_is_offsets ? x.size(0) - 1 : x.size(0);
 
