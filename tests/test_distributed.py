@@ -548,6 +548,179 @@ def check_registered_ops_compiled(rank, world, backend):
 
 
 # --------------------------------------------------------------------------------------------
+# dynamic_cp_merge's reorder index against its definition, and its host reads.
+
+_HOST_READS = ("tolist", "item", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def _count_host_reads(fn):
+    """Run ``fn()`` counting its device-to-host reads: calls of ``Tensor.cpu()``, and host reads of
+    values (``.tolist()``, ``.item()``, ``bool()``, ``int()``, ...) of any tensor whose memory is not
+    inside what one of those ``.cpu()`` calls returned (on a CPU-only machine ``.cpu()`` returns its
+    tensor itself, so the memory, not the object, tells the host copy from the rest). Returns
+    ``(fn's result, number of .cpu() calls, [the other reads])``."""
+    copies, others = [], []
+    saved = {name: getattr(torch.Tensor, name) for name in ("cpu",) + _HOST_READS}
+
+    def in_copy(t):
+        if t.numel() == 0:
+            return True
+        p = t.data_ptr()
+        return any(c.data_ptr() <= p < c.data_ptr() + c.numel() * c.element_size() for c in copies if c.numel())
+
+    def cpu(self, *args, **kwargs):
+        out = saved["cpu"](self, *args, **kwargs)
+        copies.append(out)
+        return out
+
+    def read(name):
+        def f(self, *args, **kwargs):
+            if not in_copy(self):
+                others.append(f"{name} of {self.dtype} {tuple(self.shape)}")
+            return saved[name](self, *args, **kwargs)
+
+        return f
+
+    torch.Tensor.cpu = cpu
+    for name in _HOST_READS:
+        setattr(torch.Tensor, name, read(name))
+    try:
+        result = fn()
+    finally:
+        for name, f in saved.items():
+            setattr(torch.Tensor, name, f)
+    return result, len(copies), others
+
+
+def _merge_outputs(out_lengths, ids, device, dtype=torch.float32, feature=(3,)):
+    """Outputs of samples ``ids`` in that order: sample i has ``out_lengths[i]`` rows, row r holding
+    ``i * 1000 + r`` in every feature entry (each row names its sample and position)."""
+    seqs = [
+        (i * 1000 + torch.arange(out_lengths[i], dtype=torch.float64)).view(-1, *[1] * len(feature))
+        .expand(-1, *feature).to(dtype)
+        for i in ids
+    ]
+    values = torch.cat(seqs) if seqs else torch.zeros((0, *feature), dtype=dtype)
+    return values.to(device), seqs
+
+
+MERGE_DTYPES = [(torch.float32, (3,)), (torch.int32, (2, 2)), (torch.float64, ())]
+
+
+def _merge_cases(world, rng):
+    """(input lengths, max_seqlen_per_dp_cp_rank, assignment, output lengths): ragged, with empty
+    sequences in and out; local_cp_size 1 (one group per rank), 2, and one group."""
+    cases = []
+    for assignment in ("balanced", "contiguous"):
+        for _ in range(3):
+            B = rng.randint(world, 5 * world + 3)
+            lengths = [rng.choice([0, 0, 1, 3, 9, 17, 30, 41]) for _ in range(B)]
+            out = [rng.choice([0, 0, 1, 2, 5, 13]) for _ in range(B)]
+            cases.append((lengths, 64, assignment, out))
+        B = 3 * world
+        lengths = [rng.randint(0, 60) for _ in range(B - 1)] + [100]  # local_cp_size 2
+        cases.append((lengths, 64, assignment, [rng.choice([0, 3, 8]) for _ in range(B)]))
+        # Only the samples of a few groups have outputs; then none has any.
+        cases.append(([rng.randint(1, 40) for _ in range(B)], 64, assignment, [7 if i % 5 == 0 else 0 for i in range(B)]))
+        cases.append(([rng.randint(1, 40) for _ in range(B)], 64, assignment, [0] * B))
+    cases.append(([5] * (world - 1), 64, "balanced", [2, 0, 4][: world - 1] + [1] * max(0, world - 4)))  # one group
+    return cases
+
+
+def check_merge_reference(rank, world, backend, seed):
+    """dynamic_cp_merge equals its definition: sample i's output rows, taken from the group that
+    holds i, in sample order; through the Python API and the registered op, with each rank's
+    sequences in a shuffled order, with and without validate; one host read per op call."""
+    dist, device = _setup(rank, backend)
+    ops = torch.ops.verl_ops
+    groups = DynamicCPGroups.for_group()
+    name = groups.group.group_name
+    rng = random.Random(seed)
+    interleaved = False
+    for lengths, max_per, assignment, out_lengths in _merge_cases(world, rng):
+        B = len(lengths)
+        seqs = _sample_values(lengths)
+        split = dynamic_cp_split(_nested(seqs, device), max_per, groups=groups, assignment=assignment)
+        plan, lcs = split.plan, split.local_cp_size
+        interleaved |= any(list(g) != list(range(g[0], g[0] + len(g))) for g in plan.groups if g)
+        ids = list(plan.sample_ids)
+        for dtype, feature in MERGE_DTYPES:
+            expected, _ = _merge_outputs(out_lengths, range(B), "cpu", dtype, feature)
+            mine, mine_seqs = _merge_outputs(out_lengths, ids, device, dtype, feature)
+            what = (rank, lengths, assignment, out_lengths, dtype)
+            # The Python API: values + lengths, and nested.
+            mv, ml = dynamic_cp_merge(mine, split, lengths=[out_lengths[i] for i in ids])
+            assert ml.device.type == "cpu" and ml.dtype == torch.int64 and ml.tolist() == out_lengths, what
+            assert mv.dtype == dtype and torch.equal(mv.cpu(), expected), what
+            if feature:
+                merged = dynamic_cp_merge(_nested(mine_seqs, device), split)
+                assert merged.offsets().diff().tolist() == out_lengths, what
+                assert torch.equal(merged.values().cpu(), expected), what
+            # The registered op, this rank's sequences in another order, lengths on the device.
+            order = list(range(len(ids)))
+            random.Random(seed + rank + B).shuffle(order)
+            held = [ids[k] for k in order]
+            values, _ = _merge_outputs(out_lengths, held, device, dtype, feature)
+            held_lengths = torch.tensor([out_lengths[i] for i in held], dtype=torch.int64, device=device)
+            held_ids = torch.tensor(held, dtype=torch.int64, device=device)
+            for validate in (True, False):
+                (mv, ml), transfers, others = _count_host_reads(
+                    lambda: ops.dynamic_cp_merge(values, held_lengths, held_ids, B, lcs, name, validate)
+                )
+                assert ml.device.type == "cpu" and ml.tolist() == out_lengths, what
+                assert torch.equal(mv.cpu(), expected), what
+                assert transfers == 1 and others == [], (what, transfers, others)
+    assert interleaved  # the balanced assignment gave some group non-consecutive samples
+    return True
+
+
+def check_merge_header_errors(rank, world, backend):
+    """Sample ids or lengths that disagree across groups raise the same error on every rank, with
+    every group's lists; then a correct merge still runs."""
+    dist, device = _setup(rank, backend)
+    ops = torch.ops.verl_ops
+    name = DynamicCPGroups.for_group().group.group_name
+    B = world + 1
+
+    def merge(ids, lengths, rows=None):
+        values = torch.ones(sum(lengths) if rows is None else rows, 2, device=device)
+        return ops.dynamic_cp_merge(values, torch.tensor(lengths, device=device), torch.tensor(ids, device=device),
+                                    B, 1, name)
+
+    # Rank r holds sample r, rank 0 also sample world: each once.
+    ids = [[r] + ([world] if r == 0 else []) for r in range(world)]
+    lens = [[r + 1] + ([0] if r == 0 else []) for r in range(world)]
+    mv, ml = merge(ids[rank], lens[rank])
+    assert ml.tolist() == [r + 1 for r in range(world)] + [0] and mv.shape == (sum(ml.tolist()), 2)
+    # Every sample covered, but the last rank holds sample 0 again.
+    bad = [list(g) + ([0] if r == world - 1 else []) for r, g in enumerate(ids)]
+    bad_lens = [list(g) + ([4] if r == world - 1 else []) for r, g in enumerate(lens)]
+    msg = _expect_raises(RuntimeError, "sample ids do not cover", lambda: merge(bad[rank], bad_lens[rank]))
+    assert msg == (f"dynamic_cp_merge: the groups' sample ids do not cover the {B} samples once each (per group: "
+                   f"{bad}); the groups disagree on the plan"), msg
+    # A sample nobody holds; a sample id out of range.
+    for wrong in (-1, B):
+        bad = [list(g) for g in ids]
+        bad[world - 1][0] = wrong
+        msg = _expect_raises(RuntimeError, "sample ids do not cover", lambda: merge(bad[rank], lens[rank]))
+        assert f"(per group: {bad})" in msg, msg
+    # Rank 1's lengths do not sum to its rows; a negative length with the right sum.
+    rows = sum(lens[rank]) + (2 if rank == 1 else 0)
+    msg = _expect_raises(ValueError, "group 1's outputs", lambda: merge(ids[rank], lens[rank], rows))
+    assert msg == (f"dynamic_cp_merge: group 1's outputs have {lens[1][0] + 2} rows but their lengths "
+                   f"{lens[1]} (each >= 0) sum to {lens[1][0]}"), msg
+    neg = [list(g) for g in lens]
+    neg[0] = [lens[0][0] + 3, -3]
+    msg = _expect_raises(ValueError, "group 0's outputs", lambda: merge(ids[rank], neg[rank]))
+    assert msg == (f"dynamic_cp_merge: group 0's outputs have {lens[0][0]} rows but their lengths "
+                   f"{neg[0]} (each >= 0) sum to {lens[0][0]}"), msg
+    # Still in step.
+    mv, ml = merge(ids[rank], lens[rank])
+    assert ml.tolist() == [r + 1 for r in range(world)] + [0]
+    return True
+
+
+# --------------------------------------------------------------------------------------------
 # The tests.
 
 
@@ -593,6 +766,14 @@ def test_dynamic_groups_of_a_subgroup(dist_run):
 
 def test_registered_ops_compile(dist_run):
     assert all(dist_run("check_registered_ops_compiled"))
+
+
+def test_merge_matches_reference(dist_run):
+    assert all(dist_run("check_merge_reference", 2024))
+
+
+def test_merge_header_errors_raise_on_every_rank(dist_run):
+    assert all(dist_run("check_merge_header_errors"))
 
 
 def test_a_hang_fails_instead_of_blocking():
@@ -737,3 +918,61 @@ def test_split_bad_batches():
         dynamic_cp_merge(_nested(_sample_values([2]), "cpu"), split)
     with pytest.raises(ValueError, match="dynamic_cp_merge: a values tensor \\[rows, \\*F\\] needs lengths="):
         dynamic_cp_merge(torch.zeros(3), split)
+
+
+def _ref_merge(out_lengths, B):
+    """(values, lengths) of the merge by definition: sample i's rows, in sample order."""
+    return torch.cat([torch.zeros(0, 2)] + [torch.full((out_lengths[i], 2), float(i)) for i in range(B)]), out_lengths
+
+
+@pytest.mark.parametrize("held, out_lengths", [
+    ([2, 0, 3, 1], [4, 0, 1, 2]),
+    ([0, 1, 2], [0, 0, 0]),  # nothing to copy
+    ([], []),  # no samples
+    ([5, 1, 4, 0, 3, 2, 6], [3, 0, 0, 7, 1, 0, 2]),
+])
+def test_merge_op_one_host_read(held, out_lengths):
+    """The op's success path without a group reads from the device once: one .cpu() of a small
+    tensor, no other host read of a device value."""
+    B = len(held)
+    values = torch.cat([torch.full((out_lengths[i], 2), float(i)) for i in held]) if held else torch.zeros(0, 2)
+    lengths = torch.tensor([out_lengths[i] for i in held], dtype=torch.int64)
+    ids = torch.tensor(held, dtype=torch.int64)
+    for validate in (True, False):
+        (merged, merged_lengths), transfers, others = _count_host_reads(
+            lambda: torch.ops.verl_ops.dynamic_cp_merge(values, lengths, ids, B, 1, None, validate)
+        )
+        ref_values, ref_lengths = _ref_merge(out_lengths, B)
+        assert merged_lengths.tolist() == ref_lengths and torch.equal(merged, ref_values)
+        assert transfers == 1 and others == [], (transfers, others)
+
+
+def test_host_read_counter():
+    """_count_host_reads counts every .cpu(), and value reads outside what .cpu() returned."""
+    x = torch.arange(6)
+    _, transfers, others = _count_host_reads(lambda: (x[:2].cpu().tolist(), int(x.cpu()[3]), x[1:].cpu()))
+    assert transfers == 3 and others == []
+    _, transfers, others = _count_host_reads(lambda: (x[:2].cpu().tolist(), x[2:].tolist(), bool(x.sum() > 0)))
+    assert transfers == 1 and others == ["tolist of torch.int64 (4,)", "__bool__ of torch.bool ()"]
+
+
+@pytest.mark.parametrize("lengths, ids, B, exc, message", [
+    ([2, 2], [0, 1], 2, ValueError, "group 0's outputs have 5 rows but their lengths [2, 2] (each >= 0) sum to 4"),
+    ([6, -1], [0, 1], 2, ValueError, "group 0's outputs have 5 rows but their lengths [6, -1] (each >= 0) sum to 5"),
+    ([2, 3], [1, 1], 2, RuntimeError, "sample ids do not cover the 2 samples once each (per group: [[1, 1]])"),
+    ([2, 3], [0, 2], 2, RuntimeError, "sample ids do not cover the 2 samples once each (per group: [[0, 2]])"),
+    ([2, 3], [-1, 1], 2, RuntimeError, "sample ids do not cover the 2 samples once each (per group: [[-1, 1]])"),
+    ([5], [1], 2, RuntimeError, "sample ids do not cover the 2 samples once each (per group: [[1]])"),
+    ([0, 5, 0], [2, 0, -7], 3, RuntimeError, "sample ids do not cover the 3 samples once each (per group: [[2, 0, -7]])"),
+])
+def test_merge_op_header_errors(lengths, ids, B, exc, message):
+    values = torch.zeros(5, 2)
+    with pytest.raises(exc) as e:
+        torch.ops.verl_ops.dynamic_cp_merge(values, torch.tensor(lengths), torch.tensor(ids), B, 1)
+    assert message in str(e.value)
+    # validate=False skips the checks (a sample nobody holds merges as empty).
+    if exc is RuntimeError and sorted(ids)[-1] < B and len(set(ids)) == len(ids):
+        merged, merged_lengths = torch.ops.verl_ops.dynamic_cp_merge(
+            values, torch.tensor(lengths), torch.tensor(ids), B, 1, None, False)
+        expect = [dict(zip(ids, lengths)).get(i, 0) for i in range(B)]
+        assert merged_lengths.tolist() == expect and merged.shape == (sum(expect), 2)

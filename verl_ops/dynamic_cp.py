@@ -522,27 +522,99 @@ def _split_impl(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, ass
     return selected, local_lengths, sample_ids, plan.local_cp_size
 
 
+# The merge header, one int64 row per rank: 8 meta words (sequences n, rows, dtype hash, feature
+# shape hash, row bytes, key hash, num_samples B, local_cp_size), the status word, then the B
+# lengths (padded with 0) and the B sample ids (padded with -1). The status word sits right before
+# the lengths: it is 0 in every accepted row, so a cumsum over [status, lengths] gives each
+# sequence's first row in its group and then the group's row count.
+_MERGE_N, _MERGE_ROWS, _MERGE_ROW_BYTES, _MERGE_STATUS = 0, 1, 4, 8
+_MERGE_SAME = slice(2, 8)  # the words every group must agree on (dtype .. local_cp_size)
+_MERGE_META = 9  # the 8 meta words + the status word
+
+
 def _merge_header(values, lengths, sample_ids, num_samples, local_cp_size, key_hash, device):
-    """This rank's header row: [status 0, n, rows, dtype, feature shape, row bytes, key hash, B,
-    local_cp_size] + lengths padded (0) to B + sample ids padded (-1) to B, int64 on ``device``;
-    the lengths and ids are copied device to device (never read on the host here)."""
+    """This rank's header row (layout above, status 0), int64 on ``device``. The lengths and ids are
+    copied device to device (never read on the host here). Copies from the host do not block: the
+    op reads the gathered header back before it returns, which waits for them."""
     n = lengths.shape[0]
     feat = tuple(values.shape[1:])
     row_bytes = math.prod(feat) * values.element_size()
     local = torch.empty(_MERGE_META + 2 * num_samples, dtype=torch.int64, device=device)
     local[:_MERGE_META].copy_(torch.tensor(
-        [0, n, values.shape[0], _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash, num_samples, local_cp_size],
+        [n, values.shape[0], _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash, num_samples, local_cp_size, 0],
         dtype=torch.int64,
-    ))
+    ), non_blocking=True)
     body = local[_MERGE_META:].view(2, num_samples)
-    body[0, :n].copy_(lengths)
+    body[0, :n].copy_(lengths, non_blocking=True)
     body[0, n:].zero_()
-    body[1, :n].copy_(sample_ids)
+    body[1, :n].copy_(sample_ids, non_blocking=True)
     body[1, n:].fill_(-1)
     return local
 
 
-_MERGE_META = 9  # the status word + the 8 words of _merge_header
+def _merge_index(hdr: torch.Tensor, B: int, validate: bool):
+    """The reorder index of the gathered header ``hdr`` [G, 9 + 2B], with tensor ops on its device
+    (no host read). Returns ``(buf, merged_at, src_at, cu)``: ``cu`` the int32 offsets [B + 1] of
+    the merged sequences, and one int64 buffer on the header's device holding
+
+    - ``buf[:merged_at + B]``, what the host reads: with ``validate``, per group 1 where its
+      lengths sum to its rows, then the smallest merged length and the smallest row start (see
+      below), without it the merged total at ``G``; the meta words [G, 9]; the B merged lengths;
+    - ``buf[src_at:src_at + B]``: the first row of each merged sequence in the gathered values
+      (sample i held by group g at position k: ``g * max_total`` + the rows of positions < k).
+
+    Sample ids outside [0, B) (and the -1 padding) go to a spare word. With ``validate`` a sample
+    no group holds keeps length and row start -1, so both minima are >= 0 exactly when every sample
+    id in [0, B) was given and no length is negative; with as many ids as samples that means each
+    once. The offsets sum the merged lengths from the word before them, the last group's status:
+    0 unless the op raises.
+    """
+    G, M = hdr.shape[0], _MERGE_META
+    meta_at = G + 2
+    merged_at = meta_at + G * M
+    src_at = merged_at + B + 1
+    dev = hdr.device
+    buf = torch.full((src_at + B + 1,), -1 if validate else 0, dtype=torch.int64, device=dev)
+    buf[meta_at:merged_at].view(G, M).copy_(hdr[:, :M])
+    cum = hdr[:, M - 1 : M + B].cumsum(1)  # [G, B + 1]: first rows in the group, then its row count
+    start = cum[:, :B]
+    if G > 1:
+        start.addcmul_(torch.arange(G, device=dev).unsqueeze(1), hdr[:, _MERGE_ROWS].amax())
+    slot = hdr[:, M + B :].clamp(-1, B)  # -1 and B both index the spare word B of a [B + 1] row
+    merged_src = buf[merged_at:].view(2, B + 1)
+    merged_src[0].index_put_((slot,), hdr[:, M : M + B])
+    merged_src[1].index_put_((slot,), start)
+    cu = buf[merged_at - 1 : merged_at + B].cumsum(0, dtype=torch.int32)
+    if validate:
+        torch.eq(cum[:, B], hdr[:, _MERGE_ROWS], out=buf[:G])
+        if B:
+            torch.amin(merged_src[:, :B], 1, out=buf[G:meta_at])
+    else:
+        torch.sum(merged_src[0, :B], 0, keepdim=True, out=buf[G : G + 1])
+    return buf, merged_at, src_at, cu
+
+
+def _raise_header_errors(op: str, rows: list, B: int):
+    """Raise the error of the failed header check, from the whole header on the host (``rows``: one
+    list per group): each group's lengths >= 0 and summing to its rows, then the sample ids
+    covering 0..B-1 once each."""
+    M = _MERGE_META
+    counts, totals = [r[_MERGE_N] for r in rows], [r[_MERGE_ROWS] for r in rows]
+    lens = [r[M : M + n] for r, n in zip(rows, counts)]
+    ids = [r[M + B : M + B + n] for r, n in zip(rows, counts)]
+    for g in range(len(rows)):
+        if sum(lens[g]) != totals[g] or (lens[g] and min(lens[g]) < 0):
+            raise ValueError(
+                f"{op}: group {g}'s outputs have {totals[g]} rows but their lengths "
+                f"{lens[g]} (each >= 0) sum to {sum(lens[g])}"
+            )
+    flat = sorted(i for group_ids in ids for i in group_ids)
+    if flat != list(range(B)):
+        raise RuntimeError(
+            f"{op}: the groups' sample ids do not cover the {B} samples once each (per group: "
+            f"{ids}); the groups disagree on the plan"
+        )
+    raise RuntimeError(f"{op}: the header checks on the device and on the host disagree (header: {rows})")
 
 
 def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_name=None, validate=True,
@@ -552,6 +624,7 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     G = 1 if groups is None else groups.dp_size // groups._size(local_cp_size)
     error = local = None
     B = num_samples
+    M = _MERGE_META
     device = groups.device if groups is not None and G > 1 else values.device
     try:
         if rank_error:
@@ -572,9 +645,8 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     except Exception as e:  # every rank still joins the exchange below; re-raised after it
         error = e
     if local is None:
-        local = torch.zeros(_MERGE_META + 2 * max(B, 0) if isinstance(B, int) else _MERGE_META,
-                            dtype=torch.int64, device=device)
-        local[0] = 1
+        local = torch.zeros(M + 2 * max(B, 0) if isinstance(B, int) else M, dtype=torch.int64, device=device)
+        local[_MERGE_STATUS] = 1
     if G > 1:
         dist = _dist()
         mg = groups.merge_group(local_cp_size)
@@ -583,52 +655,37 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         hdr_dev = gathered_hdr.view(G, -1)
     else:
         hdr_dev = local.view(1, -1)
-    # The one host read; the rest is plain Python over these B-sized rows (a few dozen tensor ops
-    # on tiny tensors cost more on the host than the loops).
-    rows = hdr_dev.cpu().tolist()
-    _raise_collected(op, [r[0] for r in rows], None if isinstance(error, _CallerRejected) else error, "outputs")
-    if error is not None:  # only this rank failed and G == 1
-        raise error
-    if any(r[3:_MERGE_META] != rows[0][3:_MERGE_META] for r in rows):
+    if error is not None:
+        _raise_collected(op, hdr_dev[:, _MERGE_STATUS].cpu(), None if isinstance(error, _CallerRejected) else error,
+                         "outputs")
+        raise error  # not reached: this rank's own status is 1
+    # The index and the checks on the header's device, then the one host read: the check results,
+    # the meta words and the merged lengths.
+    buf, merged_at, src_at, cu = _merge_index(hdr_dev, B, validate)
+    host = buf[: merged_at + B].cpu()
+    words = host[:merged_at].tolist()
+    checks, meta = words[: G + 2], words[G + 2 :]
+    rows = [meta[g * M : (g + 1) * M] for g in range(G)]
+    _raise_collected(op, [r[_MERGE_STATUS] for r in rows], None, "outputs")
+    if any(r[_MERGE_SAME] != rows[0][_MERGE_SAME] for r in rows):
         raise RuntimeError(
             f"{op}: the groups' outputs disagree (dtype, feature shape, row bytes, keys, num_samples, "
-            f"local_cp_size hashes per group: {[r[3:_MERGE_META] for r in rows]})"
+            f"local_cp_size hashes per group: {[r[_MERGE_SAME] for r in rows]})"
         )
-    counts, totals = [r[1] for r in rows], [r[2] for r in rows]
-    lens = [r[_MERGE_META : _MERGE_META + n] for r, n in zip(rows, counts)]
-    ids = [r[_MERGE_META + B : _MERGE_META + B + n] for r, n in zip(rows, counts)]
+    merged_lengths = host[merged_at:].clone()  # a tensor of its own (no storage offset), as the fake's
     if validate:
-        for g in range(G):
-            if sum(lens[g]) != totals[g] or (lens[g] and min(lens[g]) < 0):
-                raise ValueError(
-                    f"{op}: group {g}'s outputs have {totals[g]} rows but their lengths "
-                    f"{lens[g]} (each >= 0) sum to {sum(lens[g])}"
-                )
-        flat = sorted(i for group_ids in ids for i in group_ids)
-        if flat != list(range(B)):
-            raise RuntimeError(
-                f"{op}: the groups' sample ids do not cover the {B} samples once each (per group: "
-                f"{ids}); the groups disagree on the plan"
-            )
-    feat = tuple(values.shape[1:])
-    row_bytes = rows[0][5]
-    max_total = max(totals) if G else 0
-    # Reorder index: sample ids[g][k] starts at row g * max_total + (rows before k in group g) of
-    # the gathered values.
-    merged = [0] * B
-    src = [0] * B
-    for g in range(G):
-        start = g * max_total
-        for i, n in zip(ids[g], lens[g]):
-            if 0 <= i < B:
-                merged[i], src[i] = n, start
-            start += n
-    merged_lengths = torch.tensor(merged, dtype=torch.int64)
-    total = sum(merged)
+        if not (all(checks[:G]) and (B == 0 or min(checks[G:]) >= 0) and sum(r[_MERGE_N] for r in rows) == B):
+            _raise_header_errors(op, hdr_dev.cpu().tolist(), B)
+        total = sum(r[_MERGE_ROWS] for r in rows)  # every row of every group is merged once
+    else:
+        total = checks[G]
     if total > INT32_MAX:
         raise ValueError(f"{op}: {total} merged rows do not fit the int32 offsets of jagged_gather")
+    feat = tuple(values.shape[1:])
+    row_bytes = rows[0][_MERGE_ROW_BYTES]
     if row_bytes == 0 or total == 0:
         return values.new_zeros((total, *feat)), merged_lengths
+    max_total = max(r[_MERGE_ROWS] for r in rows)
     local_bytes = values.detach().contiguous().view(values.shape[0], math.prod(feat)).view(torch.uint8)
     if G > 1:
         local_bytes = local_bytes.to(device)
@@ -641,13 +698,7 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         _dist().all_gather_into_tensor(gathered, send, group=groups.merge_group(local_cp_size))
     else:
         gathered = local_bytes
-    cu = [0] * (B + 1)
-    acc = 0
-    for i, n in enumerate(merged):
-        acc += n
-        cu[i + 1] = acc
-    both = torch.tensor(src + cu, dtype=torch.int64).to(gathered.device)
-    out = _ops.jagged_gather(gathered, both[:B], both[B:].to(torch.int32), total)
+    out = _ops.jagged_gather(gathered, buf[src_at : src_at + B], cu, total)
     return out.view(values.dtype).view(total, *feat).to(values.device), merged_lengths
 
 
