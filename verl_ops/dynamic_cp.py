@@ -563,7 +563,8 @@ def _merge_index(hdr: torch.Tensor, B: int, validate: bool):
     - ``buf[src_at:src_at + B]``: the first row of each merged sequence in the gathered values
       (sample i held by group g at position k: ``g * max_total`` + the rows of positions < k).
 
-    Sample ids outside [0, B) (and the -1 padding) go to a spare word. With ``validate`` a sample
+    Sample ids outside [0, B) (and the -1 padding) go to a spare word. Without ``validate`` a
+    sample id given twice keeps one of its entries, which one is unspecified. With ``validate`` a sample
     no group holds keeps length and row start -1, so both minima are >= 0 exactly when every sample
     id in [0, B) was given and no length is negative; with as many ids as samples that means each
     once. The offsets sum the merged lengths from the word before them, the last group's status:
