@@ -63,7 +63,7 @@ import torch
 from .._library import call_op
 from .._thd import postprocess_thd, preprocess_thd
 from .._validate import check_jagged, check_plain, host_values_required, is_meta
-from ..layout import CP_LAYOUTS, ThdLayout
+from ..layout import CP_LAYOUTS, ThdLayout, _to_device
 from ..layout import _rules as _layout_rules
 
 __all__ = [
@@ -455,7 +455,7 @@ def _apply_main_roll(packed, position_ids, values, layout, cp_rank):
     rows, src, pos = _main_roll_rows(layout, cp_rank)
     if not rows:
         return packed, position_ids
-    idx = torch.tensor([rows, src, pos], dtype=torch.int64).to(packed.device, non_blocking=True)
+    idx = _to_device(torch.tensor([rows, src, pos], dtype=torch.int64), packed.device)
     take = values.index_select(0, idx[1].clamp(min=0))
     keep = (idx[1] >= 0).view(-1, *([1] * (values.dim() - 1)))
     packed = packed.index_put((idx[0],), take.masked_fill(~keep, 0))
