@@ -212,7 +212,7 @@ def reference_tail(q, k, v, s0, seqlen, scale, rows=128):
     return (scores.softmax(-1) @ vs).transpose(0, 1)
 
 
-def run_batch(label, lengths, heads, reps, floor, gen):
+def run_batch(label, lengths, heads, reps, floor, gen, only=None):
     t = sum(lengths)
     scale = 1.0 / math.sqrt(DQK)
     q = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -228,6 +228,8 @@ def run_batch(label, lengths, heads, reps, floor, gen):
     f_fwd, f_all = flops(lengths, heads)
     rows = []
     for name, (fn, rep_cap) in make_methods(lengths, heads, cu, scale).items():
+        if only is not None and name not in only:
+            continue
         n = min(reps, rep_cap) if rep_cap else reps
         row = {"method": name}
         try:
@@ -363,6 +365,8 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
     p.add_argument("--replot", default=None, help="only re-plot a markdown section written by --out")
+    p.add_argument("--methods", default=None,
+                   help="comma-separated subset of the methods (e.g. 'ours varlen,fa4 varlen'; default all)")
     args = p.parse_args(argv)
     if args.replot:
         results, floor = parse_markdown(args.replot)
@@ -380,6 +384,10 @@ def main(argv=None):
     dev = torch.cuda.get_device_name()
     print(f"device {dev}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16 matmul floor {floor:.0f} TFLOP/s")
     print(f"fa4 varlen: {'flash-attn-4 importable' if fa4_varlen() else 'flash-attn-4 not importable'}")
+    print(f"varlen sequence order (VERL_OPS_VARLEN_ORDER): {os.environ.get('VERL_OPS_VARLEN_ORDER', 'largest_first')}")
+    only = None
+    if args.methods:
+        only = {m.strip() for m in args.methods.split(",") if m.strip()}
     todo = batches("quick" if args.quick else args.batches, args.seed)
     for label, lengths, heads in todo:
         if len(set(lengths)) > 1:
@@ -387,7 +395,7 @@ def main(argv=None):
     print("\n".join(HEADER))
     results = []
     for label, lengths, heads in todo:
-        rows = run_batch(label, lengths, heads, reps, floor, gen)
+        rows = run_batch(label, lengths, heads, reps, floor, gen, only)
         results.append((label, rows))
     print(f"varlen plan cache: {verl_ops.mla_cache_info()}")
     lines = summary(results)
@@ -398,6 +406,7 @@ def main(argv=None):
             f.write(f"- date: {datetime.date.today()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}\n")
             f.write(f"- command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`\n")
             f.write(f"- bf16 matmul floor (8192^3, same run): {floor:.0f} TFLOP/s\n")
+            f.write(f"- varlen sequence order: {os.environ.get('VERL_OPS_VARLEN_ORDER', 'largest_first')}\n")
             for label, lengths, heads in todo:
                 if len(set(lengths)) > 1:
                     f.write(f"- {label}: {len(lengths)} sequences, lengths {lengths}\n")

@@ -209,6 +209,22 @@ def test_cuda_matches_cpu_large(rng):
         assert torch.equal(back.cpu(), verl_ops.jagged_scatter(cpu, src, cu, values.shape[0]))
 
 
+@pytest.mark.gpu
+def test_cuda_matches_cpu_many_sequences(rng):
+    """9000 short output sequences of narrow rows (tiles of several rows per thread) against the
+    CPU kernel."""
+    n_out = 9000
+    lengths, sel = random_selection(rng, 9500, n_out, distinct=True)
+    g = torch.Generator().manual_seed(seed_of(rng))
+    values = random_data((sum(lengths),), torch.int64, g)
+    src, cu, total = indices(lengths, sel, "cpu")
+    cpu = verl_ops.jagged_gather(values, src, cu, total)
+    gpu = verl_ops.jagged_gather(values.cuda(), src.cuda(), cu.cuda(), total, validate=False)
+    assert torch.equal(gpu.cpu(), cpu)
+    back = verl_ops.jagged_scatter(gpu, src.cuda(), cu.cuda(), values.shape[0], validate=False)
+    assert torch.equal(back.cpu(), verl_ops.jagged_scatter(cpu, src, cu, values.shape[0]))
+
+
 def test_gather_gradient_with_repeated_spans(device, rng):
     """A span gathered twice receives the sum of both gradients (reference: autograd of a plain
     per-sequence cat)."""

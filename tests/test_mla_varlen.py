@@ -402,6 +402,58 @@ print(repr((first, second, after_first, after_second)))
 """
 
 
+_ORDER_SCRIPT = """
+import sys, torch
+sys.path[:0] = {path!r}
+from test_mla_varlen import make_case, run
+c = make_case({lengths!r}, hq=4, hk=2, device="cuda", seed=21)
+out, (q, k, v) = run(c, causal=True)
+_, lse = torch.ops.verl_ops.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], c["max_q"], c["max_kv"],
+                                               True, None, 3)
+out.backward(torch.ones_like(out))
+torch.save([t.cpu() for t in (out, lse, q.grad, k.grad, v.grad)], sys.argv[1])
+"""
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_sequence_order_does_not_change_results(tmp_path):
+    """The backend hands cuDNN the sequences largest first (VERL_OPS_VARLEN_ORDER, default
+    largest_first); in input order (=input) the outputs and the log-sum-exp are the same bit for
+    bit and the gradients the same up to the accumulation order of dq."""
+    import os
+    import subprocess
+    import sys
+
+    lengths = [3, 900, 0, 1, 257, 64, 900, 128, 2, 511]
+    script = _ORDER_SCRIPT.format(path=[os.path.dirname(os.path.abspath(__file__))], lengths=lengths)
+    results = []
+    for order in ("input", "largest_first"):
+        dest = tmp_path / f"{order}.pt"
+        env = dict(os.environ, VERL_OPS_VARLEN_ORDER=order)
+        done = subprocess.run([sys.executable, "-c", script, str(dest)], env=env, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+        results.append(torch.load(dest))
+    (out_a, lse_a, *grads_a), (out_b, lse_b, *grads_b) = results
+    assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
+    for name, a, b in zip("qkv", grads_a, grads_b):
+        assert rel_err(a, b) < 1e-2, name
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+def test_cuda_many_sequences_keep_input_order():
+    """Past 1024 sequences the backend keeps the input order (the largest-first ranking is one
+    thread per sequence against all others); results still match the reference."""
+    rng = torch.Generator().manual_seed(5)
+    lengths = torch.randint(0, 24, (1100,), generator=rng).tolist()
+    c = make_case(lengths, hq=2, hk=2, device="cuda", seed=22)
+    check_against_reference(c, causal=True)
+
+
 @gpu
 @pytest.mark.gpu
 @needs_varlen

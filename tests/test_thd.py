@@ -798,6 +798,28 @@ def test_cuda_matches_cpu_large(rng, feature_shape, dtype, max_len):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1000, 6000])
+def test_cuda_matches_cpu_many_sequences(rng, batch):
+    """Many short sequences with narrow rows (ids, [T, 1] log-probs), whose tiles grow to several
+    rows per thread: pack and unpack under several rules, against the CPU kernels."""
+    lengths = [rng.choice([0, 1, 2, 3, 7, 40]) for _ in range(batch)]
+    g = torch.Generator().manual_seed(seed_of(rng))
+    for feature_shape, dtype in (((), torch.int64), ((1,), torch.float32)):
+        values = random_data((sum(lengths), *feature_shape), dtype, g)
+        values_gpu = values.cuda()
+        for cp_layout, cp, fp8, roll in [("zigzag", 1, False, True), ("zigzag", 4, True, True), ("contiguous", 2, False, False)]:
+            layout = ThdLayout.from_lengths(lengths, cp_size=cp, cp_layout=cp_layout, fp8_padding=fp8)
+            args = (layout.local_rows, cp, -1, CP_LAYOUT_CODES[cp_layout], roll, None)
+            cu, cup = layout.cu_seqlens.cuda(), layout.cu_seqlens_padded.cuda()
+            packed, pos = OPS.preprocess_thd(values_gpu, cu, cup, *args)
+            cpu_packed, cpu_pos = OPS.preprocess_thd(values, layout.cu_seqlens, layout.cu_seqlens_padded, *args)
+            assert_same(packed, cpu_packed, (batch, cp_layout, cp))
+            assert_same(pos, cpu_pos, (batch, cp_layout, cp))
+            out = OPS.postprocess_thd(packed, cu, cup, layout.total_tokens, cp, -1, CP_LAYOUT_CODES[cp_layout], roll, None)
+            assert_same(out, dropped_as_zero(values, layout, lengths, cp, cp_layout, roll), (batch, cp_layout, cp))
+
+
+@pytest.mark.gpu
 def test_cuda_garbage_offsets_do_not_fault():
     """OPS.md section 7: never a crash or an out-of-bounds access, even with offsets the CUDA path
     cannot check without a host synchronisation. The result is unspecified; the device must stay

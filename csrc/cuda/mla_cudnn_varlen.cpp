@@ -511,6 +511,15 @@ void add_metadata(std::unordered_map<int64_t, void*>& pack, const VarlenMetadata
 
 }  // namespace
 
+VarlenOrder varlen_order() {
+  static const VarlenOrder order = [] {
+    const char* env = std::getenv("VERL_OPS_VARLEN_ORDER");
+    if (env != nullptr && std::strcmp(env, "input") == 0) return VarlenOrder::kInput;
+    return VarlenOrder::kLargestFirst;
+  }();
+  return order;
+}
+
 std::shared_ptr<const VarlenPlan> varlen_plan(const char* op, const VarlenProblem& bucket,
                                               cudaStream_t stream) {
   load_cudnn(op);

@@ -91,11 +91,23 @@ struct VarlenMetadata {
 size_t varlen_metadata_bytes(int64_t batch_bucket);
 VarlenMetadata varlen_metadata_at(void* base, int64_t batch_bucket);
 
+// The order of the sequences in cuDNN's batch slots. kInput: slot i is sequence i.
+// kLargestFirst: the sequences with the most work (lq * lk) first, so that the short ones fill the
+// last wave (ragged batches); same results, only the launch order changes. Taken only for
+// 1 < batch <= kLargestFirstMaxBatch (one thread per sequence compares it with every other).
+enum class VarlenOrder { kInput, kLargestFirst };
+constexpr int64_t kLargestFirstMaxBatch = 1024;
+
+// The order the backend uses: VERL_OPS_VARLEN_ORDER=input|largest_first (read once), default
+// largest_first.
+VarlenOrder varlen_order();
+
 // Fills the metadata from the int32 offsets cu_seqlens_q / cu_seqlens_kv [batch + 1], on the
 // device (one launch; no host read of the lengths).
 cudaError_t launch_varlen_metadata(const int32_t* cu_q, const int32_t* cu_kv, int64_t batch,
                                    int64_t batch_bucket, int64_t hq, int64_t hk, int64_t dqk,
-                                   int64_t dv, const VarlenMetadata& m, cudaStream_t stream);
+                                   int64_t dv, const VarlenMetadata& m, VarlenOrder order,
+                                   cudaStream_t stream);
 
 // Rows that attend to nothing get the values of the other backends, whatever cuDNN leaves there:
 // forward: a query that sees no key (its sequence has no keys, or causal with lq > lk: queries

@@ -46,6 +46,52 @@ __global__ void __launch_bounds__(kBlock)
   }
 }
 
+// Largest-first order: cuDNN's grid runs its batch slots in order, so the sequences with the most
+// work (lq * lk) go first and the short ones fill the tail of the last wave instead of one long
+// sequence running alone at the end. Sequence i takes slot rank(i): the number of sequences with
+// more work, ties by index (a permutation of [0, batch)). Appended sequences keep their slots.
+// Every per-slot array (lengths, the five offsets) follows the same slot, so the results do not
+// change, only the launch order. One thread per sequence; the lengths are read through shared
+// memory in chunks of kBlock.
+__global__ void __launch_bounds__(kBlock)
+    metadata_lpt_kernel(const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_kv,
+                        int64_t batch, int64_t batch_bucket, int64_t q_token, int64_t k_token,
+                        int64_t v_token, int64_t o_token, int64_t stats_token, VarlenMetadata m) {
+  __shared__ int64_t chunk_work[kBlock];
+  auto length = [](const int32_t* cu, int64_t b) {
+    const int64_t l = static_cast<int64_t>(cu[b + 1]) - cu[b];
+    return l > 0 ? l : int64_t{0};
+  };
+  const int64_t i = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x;
+  const int64_t lq = i < batch ? length(cu_q, i) : 0, lk = i < batch ? length(cu_kv, i) : 0;
+  const int64_t work = lq * lk;
+  int64_t rank = 0;
+  for (int64_t j0 = 0; j0 < batch; j0 += kBlock) {
+    const int64_t j = j0 + threadIdx.x;
+    chunk_work[threadIdx.x] = j < batch ? length(cu_q, j) * length(cu_kv, j) : -1;
+    __syncthreads();
+    const int64_t n = batch - j0 < kBlock ? batch - j0 : kBlock;
+    for (int64_t t = 0; t < n; ++t) {
+      const int64_t w = chunk_work[t];
+      rank += (w > work) || (w == work && j0 + t < i);
+    }
+    __syncthreads();
+  }
+  if (i > batch_bucket) return;
+  const int64_t slot = i < batch ? rank : i;
+  const int64_t b = i < batch ? i : batch;  // appended slots: empty, at the end of the rows
+  const int64_t start_q = cu_q[b], start_kv = cu_kv[b];
+  m.offset_q[slot] = start_q * q_token;
+  m.offset_o[slot] = start_q * o_token;
+  m.offset_stats[slot] = start_q * stats_token;
+  m.offset_k[slot] = start_kv * k_token;
+  m.offset_v[slot] = start_kv * v_token;
+  if (slot < batch_bucket) {
+    m.seq_len_q[slot] = static_cast<int32_t>(lq);
+    m.seq_len_kv[slot] = static_cast<int32_t>(lk);
+  }
+}
+
 int grid_for(int64_t items, int64_t per_block) {
   int device = 0, sms = 132;
   if (cudaGetDevice(&device) == cudaSuccess) {
@@ -153,8 +199,15 @@ VarlenMetadata varlen_metadata_at(void* base, int64_t batch_bucket) {
 
 cudaError_t launch_varlen_metadata(const int32_t* cu_q, const int32_t* cu_kv, int64_t batch,
                                    int64_t batch_bucket, int64_t hq, int64_t hk, int64_t dqk,
-                                   int64_t dv, const VarlenMetadata& m, cudaStream_t stream) {
+                                   int64_t dv, const VarlenMetadata& m, VarlenOrder order,
+                                   cudaStream_t stream) {
   if (batch < 0 || batch_bucket < batch) return cudaErrorInvalidValue;
+  if (order == VarlenOrder::kLargestFirst && batch > 1 && batch <= kLargestFirstMaxBatch) {
+    const int grid = static_cast<int>((batch_bucket + 1 + kBlock - 1) / kBlock);
+    metadata_lpt_kernel<<<grid, kBlock, 0, stream>>>(cu_q, cu_kv, batch, batch_bucket, hq * dqk,
+                                                     hk * dqk, hk * dv, hq * dv, hq, m);
+    return cudaGetLastError();
+  }
   const int grid = grid_for(batch_bucket + 1, kBlock);
   metadata_kernel<<<grid, kBlock, 0, stream>>>(cu_q, cu_kv, batch, batch_bucket, hq * dqk, hk * dqk,
                                                hk * dv, hq * dv, hq, m);

@@ -319,7 +319,7 @@ VarlenCall prepare_varlen(const char* op, bool backward, const Tensor& q,
   st::check_launch(op, cuda::launch_varlen_metadata(st::ptr<int32_t>(c.cu_q),
                                                     st::ptr<int32_t>(c.cu_kv), s.batch,
                                                     c.bucket.batch, s.hq, s.hk, s.dqk, s.dv,
-                                                    c.meta, c.stream));
+                                                    c.meta, cuda::varlen_order(), c.stream));
   return c;
 }
 
