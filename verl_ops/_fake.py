@@ -244,12 +244,15 @@ _MLA_BACKENDS = ("auto", "padded", "native", "varlen")
 # Whether this build has the varlen backend, read once at import (_C is loaded by then): the fake
 # kernels run under fake / functional modes, where calling an op would not return real values.
 # With it, the loaded cuDNN's version: auto uses varlen from kVarlenAutoMinCudnn (9.7.0) on.
-try:
-    _cache_probe = torch.ops.verl_ops.mla_cache_info(torch.empty(0, device="cpu")).tolist()
-    _VARLEN_BUILT = bool(_cache_probe[0])
-    _VARLEN_CUDNN = _cache_probe[9] if len(_cache_probe) > 9 else 0
-except (AttributeError, RuntimeError):  # a module built before the op existed
-    _VARLEN_BUILT, _VARLEN_CUDNN = False, 0
+def _probe_varlen() -> tuple:
+    try:
+        info = torch.ops.verl_ops.mla_cache_info(torch.empty(0, device="cpu")).tolist()
+    except (AttributeError, RuntimeError):  # a module built before the op existed
+        return False, 0
+    return bool(info[0]), (info[9] if len(info) > 9 else 0)
+
+
+_VARLEN_BUILT, _VARLEN_CUDNN = _probe_varlen()
 _VARLEN_AUTO_MIN_CUDNN = 90700
 _VARLEN_DEVICES = {}
 
