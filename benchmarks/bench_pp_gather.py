@@ -1,15 +1,17 @@
-"""pp_gather (verl_ops.integrations.verl_pp) against verl's own pp_gather, on gloo process groups.
+"""pp_gather (verl_ops.integrations.verl_pp) against verl's own pp_gather, over gloo (CPU) or NCCL.
 
-    python benchmarks/bench_pp_gather.py [--world 2] [--out results_pp.md]
+    python benchmarks/bench_pp_gather.py [--world 2] [--backend gloo|nccl] [--out results_pp.md]
 
 Each rank is one pipeline stage holding its own MoE layers' router map; both functions gather
-them into the map of every layer on the CPU (verl: an all-gather of layer counts plus a padded
+them into the map of every layer on the CPU, as verl records them (verl: an all-gather of layer counts plus a padded
 tensor all-gather for dense maps, all_gather_object (pickles) for jagged ones; verl_ops: two
 fixed-layout tensor all-gathers). Maps: an RL micro-batch of 256 sequences with log-normal lengths
 (median 600, clipped to [16, 8192]) as a jagged [B, j, L_local, 8] int16 map, and a dense
 [16, 4096, L_local, 8] int16 map; 24 MoE layers per stage. verl's function is read from the
 installed verl (tests/test_verl_pp.py's loader). Wall time of one call on rank 0 (median of the
-repeats, every rank calling in step), outputs compared element by element first.
+repeats, every rank calling in step), outputs compared element by element first. Under NCCL
+(one GPU per rank) the maps stay CPU tensors, as verl records them: both functions move them to the
+GPU for the collectives and return the gathered map on the CPU, so the copies are timed too.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def bench_rank(rank, world_size, backend, device, kind, layers, reps):
 
     from verl_ops.integrations import verl_pp as pp
 
-    group, pp_rank, theirs = _rank_setup(world_size, None)
+    group, pp_rank, theirs = _rank_setup(world_size, None, "cuda" if backend == "nccl" else "cpu")
     if theirs is None:
         return None
     tf = types.SimpleNamespace(pipeline_model_parallel_size=world_size, virtual_pipeline_model_parallel_size=None)
@@ -76,6 +78,7 @@ def bench_rank(rank, world_size, backend, device, kind, layers, reps):
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: one GPU per rank")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--out", default=None)
@@ -83,13 +86,14 @@ def main():
     import torch
     from _dist import DistPool
 
-    pool = DistPool(args.world, "gloo", pg_timeout_s=120.0)
-    lines = [f"### pp_gather vs verl's, {args.world} gloo ranks on the CPU (torch {torch.__version__})", "",
+    pool = DistPool(args.world, args.backend, pg_timeout_s=120.0)
+    where = "on the CPU" if args.backend == "gloo" else f"({torch.cuda.get_device_name(0)} each)"
+    lines = [f"### pp_gather vs verl's, {args.world} {args.backend} ranks {where} (torch {torch.__version__})", "",
              "| map | gathered shape | verl | verl_ops | speedup | outputs equal |", "|---|---|---|---|---|---|"]
     print("\n".join(lines), flush=True)
     try:
         for kind in ("jagged", "dense"):
-            res = pool.run("bench_pp_gather:bench_rank", "gloo", "cpu", kind, args.layers, args.reps, timeout_s=900)
+            res = pool.run("bench_pp_gather:bench_rank", args.backend, "cpu", kind, args.layers, args.reps, timeout_s=900)
             if res[0] is None:
                 print("verl's pp_gather not loadable (needs verl and megatron-core installed)")
                 return 1

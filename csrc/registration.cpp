@@ -6,6 +6,7 @@
 // 1 = padded, 2 = native, 3 = varlen. The Python API takes the names. Fake (Meta) kernels and autograd are
 // registered from Python (verl_ops/_fake.py and the op modules).
 #include "ops/jagged_ops.h"
+#include "ops/merge_ops.h"
 #include "ops/mla_ops.h"
 #include "ops/router_ops.h"
 #include "ops/stable.h"
@@ -44,6 +45,13 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
   m.def("jagged_gather(Tensor values, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_out) -> Tensor");
   // Adjoint of jagged_gather: rows go back where they were gathered from; zeros elsewhere.
   m.def("jagged_scatter(Tensor grad, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_in) -> Tensor");
+  // dynamic_cp_merge's steps (layouts in core/merge_layout.h): this rank's header row [9 + 2B] for
+  // the header all-gather, and the reorder index of the gathered header [G, 9 + 2B] (int64 words:
+  // check flags, meta words, merged lengths, row starts; and the merged int32 offsets [B + 1]).
+  m.def(
+      "dynamic_cp_merge_header(Tensor lengths, Tensor sample_ids, int num_samples, int rows, int dtype_hash, "
+      "int feature_hash, int row_bytes, int key_hash, int local_cp_size) -> Tensor");
+  m.def("dynamic_cp_merge_index(Tensor header, int num_samples, bool validate=True) -> (Tensor buf, Tensor cu_seqlens)");
 
   // --- router replay (OPS.md section 4) ---
   // Record: L layers of top-k indices [L, T, K] (any integer dtype, any strides; a list of
@@ -90,6 +98,8 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   m.impl("postprocess_thd", VERL_BOX(&verl_ops::ops::postprocess_thd_cpu));
   m.impl("jagged_gather", VERL_BOX(&verl_ops::ops::jagged_gather_cpu));
   m.impl("jagged_scatter", VERL_BOX(&verl_ops::ops::jagged_scatter_cpu));
+  m.impl("dynamic_cp_merge_header", VERL_BOX(&verl_ops::ops::merge_header_cpu));
+  m.impl("dynamic_cp_merge_index", VERL_BOX(&verl_ops::ops::merge_index_cpu));
   // router replay
   m.impl("router_topk_record", VERL_BOX(&verl_ops::ops::router_topk_record_cpu));
   m.impl("router_topk_scatter", VERL_BOX(&verl_ops::ops::router_topk_scatter_cpu));
@@ -105,6 +115,8 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   m.impl("postprocess_thd", VERL_BOX(&verl_ops::ops::postprocess_thd_cuda));
   m.impl("jagged_gather", VERL_BOX(&verl_ops::ops::jagged_gather_cuda));
   m.impl("jagged_scatter", VERL_BOX(&verl_ops::ops::jagged_scatter_cuda));
+  m.impl("dynamic_cp_merge_header", VERL_BOX(&verl_ops::ops::merge_header_cuda));
+  m.impl("dynamic_cp_merge_index", VERL_BOX(&verl_ops::ops::merge_index_cuda));
   // router replay
   m.impl("router_topk_record", VERL_BOX(&verl_ops::ops::router_topk_record_cuda));
   m.impl("router_topk_scatter", VERL_BOX(&verl_ops::ops::router_topk_scatter_cuda));

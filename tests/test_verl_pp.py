@@ -36,7 +36,7 @@ def _megatron_namespace():
     return dict(
         inspect=inspect, get_schedule_table=get_schedule_table, is_vp_first_stage=is_vp_first_stage,
         is_vp_last_stage=is_vp_last_stage, get_transformer_layer_offset=get_transformer_layer_offset,
-        TransformerConfig=object, device_name="cpu", mpu=types.SimpleNamespace(),
+        TransformerConfig=object, device_name=device_name, mpu=types.SimpleNamespace(),
     )
 
 
@@ -289,9 +289,10 @@ def test_pp_gather_group_size_mismatch(monkeypatch):
 # pp_gather over gloo: the check functions run on every rank (tests/_dist.py).
 
 
-def _rank_setup(pp_world, vp_split):
+def _rank_setup(pp_world, vp_split, device_name="cpu"):
     """This rank's pipeline group (consecutive blocks of ``pp_world`` ranks), stand-ins for
-    megatron's parallel_state and verl's owner module, and verl's pp_gather (or None)."""
+    megatron's parallel_state and verl's owner module, and verl's pp_gather (or None), which moves
+    dense maps to ``device_name`` (verl's get_device_name(): "cuda" under NCCL) to gather them."""
     import torch.distributed as dist
 
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -313,7 +314,7 @@ def _rank_setup(pp_world, vp_split):
     try:
         # verl's pp_gather alone: it reads mpu, device_name and get_moe_num_layers_to_build
         theirs = verl_stubs.load_verl_functions("utils/megatron/router_replay_utils.py", ["pp_gather"], dict(
-            device_name="cpu", mpu=types.SimpleNamespace(get_pipeline_model_parallel_group=lambda: group),
+            device_name=device_name, mpu=types.SimpleNamespace(get_pipeline_model_parallel_group=lambda: group),
             get_moe_num_layers_to_build=owner.get_moe_num_layers_to_build))["pp_gather"]
     except LookupError:
         theirs = None

@@ -157,6 +157,39 @@ def _jagged_scatter_fake(grad, src_starts, cu_seqlens_out, total_in):
     return _jagged_fake("jagged_scatter", "grad", grad, src_starts, cu_seqlens_out, total_in)
 
 
+@torch.library.register_fake("verl_ops::dynamic_cp_merge_header")
+def _merge_header_fake(lengths, sample_ids, num_samples, rows, dtype_hash, feature_hash, row_bytes, key_hash,
+                       local_cp_size):
+    op = "dynamic_cp_merge_header"
+    if not 0 <= num_samples <= _INT32_MAX:
+        raise RuntimeError(f"{op}: num_samples must be in [0, {_INT32_MAX}], got {num_samples}")
+    for name, t in (("lengths", lengths), ("sample_ids", sample_ids)):
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise RuntimeError(f"{op}: {name} must be a 1-D int32/int64 tensor, got {t.dtype} {list(t.shape)}")
+    if lengths.shape[0] != sample_ids.shape[0] or lengths.shape[0] > num_samples:
+        raise RuntimeError(
+            f"{op}: lengths ({lengths.shape[0]}) and sample_ids ({sample_ids.shape[0]}) must have one entry "
+            f"per output sequence, at most num_samples={num_samples}"
+        )
+    return lengths.new_empty((9 + 2 * num_samples,), dtype=torch.int64)
+
+
+@torch.library.register_fake("verl_ops::dynamic_cp_merge_index")
+def _merge_index_fake(header, num_samples, validate=True):
+    op = "dynamic_cp_merge_index"
+    if not 0 <= num_samples <= _INT32_MAX:
+        raise RuntimeError(f"{op}: num_samples must be in [0, {_INT32_MAX}], got {num_samples}")
+    width = 9 + 2 * num_samples
+    if header.dtype != torch.int64 or header.dim() != 2 or header.shape[0] < 1 or header.shape[1] != width:
+        raise RuntimeError(
+            f"{op}: header must be int64 [groups >= 1, 9 + 2 * num_samples = {width}], got {header.dtype} "
+            f"{list(header.shape)}"
+        )
+    G = header.shape[0]
+    return (header.new_empty((G + 2 + 9 * G + 2 * (num_samples + 1),)),
+            header.new_empty((num_samples + 1,), dtype=torch.int32))
+
+
 @torch.library.register_fake("verl_ops::router_topk_record")
 def _router_topk_record_fake(indices, cu_seqlens=None, cu_seqlens_padded=None, total_tokens=0, attention_mask=None):
     op = "router_topk_record"

@@ -90,6 +90,9 @@ class DynamicCPPlan:
     local_cp_size: int
     assignment: str
     groups: tuple = field(repr=False)
+    # this group's sample ids as int64 tensors, per device (built once per plan: a host-to-device
+    # copy from pageable memory waits for the stream, and every merged output key needs them)
+    _ids_on: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_groups(self) -> int:
@@ -121,6 +124,14 @@ class DynamicCPPlan:
 
     def fingerprint(self) -> int:
         return _crc((self.dp_size, self.local_cp_size, self.groups))
+
+    def sample_ids_on(self, device: torch.device) -> torch.Tensor:
+        """:attr:`sample_ids` as an int64 tensor on ``device`` (cached per device; do not modify)."""
+        key = str(device)
+        ids = self._ids_on.get(key)
+        if ids is None:
+            ids = self._ids_on[key] = torch.tensor(self.sample_ids, dtype=torch.int64).to(device)
+        return ids
 
 
 def plan_dynamic_cp(
@@ -533,29 +544,24 @@ _MERGE_META = 9  # the 8 meta words + the status word
 
 
 def _merge_header(values, lengths, sample_ids, num_samples, local_cp_size, key_hash, device):
-    """This rank's header row (layout above, status 0), int64 on ``device``. The lengths and ids are
-    copied device to device (never read on the host here). Copies from the host do not block: the
-    op reads the gathered header back before it returns, which waits for them."""
-    n = lengths.shape[0]
+    """This rank's header row (layout above, status 0), int64 on ``device``: one launch of
+    ``dynamic_cp_merge_header`` (lengths and ids are copied on the device, never read on the host)."""
     feat = tuple(values.shape[1:])
     row_bytes = math.prod(feat) * values.element_size()
-    local = torch.empty(_MERGE_META + 2 * num_samples, dtype=torch.int64, device=device)
-    local[:_MERGE_META].copy_(torch.tensor(
-        [n, values.shape[0], _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash, num_samples, local_cp_size, 0],
-        dtype=torch.int64,
-    ), non_blocking=True)
-    body = local[_MERGE_META:].view(2, num_samples)
-    body[0, :n].copy_(lengths, non_blocking=True)
-    body[0, n:].zero_()
-    body[1, :n].copy_(sample_ids, non_blocking=True)
-    body[1, n:].fill_(-1)
-    return local
+    if lengths.device != device:
+        lengths = lengths.to(device)
+    if sample_ids.device != device:
+        sample_ids = sample_ids.to(device)
+    return _ops.dynamic_cp_merge_header(
+        lengths, sample_ids, num_samples, values.shape[0], _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash,
+        local_cp_size,
+    )
 
 
 def _merge_index(hdr: torch.Tensor, B: int, validate: bool):
-    """The reorder index of the gathered header ``hdr`` [G, 9 + 2B], with tensor ops on its device
-    (no host read). Returns ``(buf, merged_at, src_at, cu)``: ``cu`` the int32 offsets [B + 1] of
-    the merged sequences, and one int64 buffer on the header's device holding
+    """The reorder index of the gathered header ``hdr`` [G, 9 + 2B] on its device, in one launch of
+    ``dynamic_cp_merge_index`` (no host read). Returns ``(buf, merged_at, src_at, cu)``: ``cu`` the
+    int32 offsets [B + 1] of the merged sequences, and one int64 buffer holding
 
     - ``buf[:merged_at + B]``, what the host reads: with ``validate``, per group 1 where its
       lengths sum to its rows, then the smallest merged length and the smallest row start (see
@@ -570,29 +576,10 @@ def _merge_index(hdr: torch.Tensor, B: int, validate: bool):
     once. The offsets sum the merged lengths from the word before them, the last group's status:
     0 unless the op raises.
     """
-    G, M = hdr.shape[0], _MERGE_META
-    meta_at = G + 2
-    merged_at = meta_at + G * M
-    src_at = merged_at + B + 1
-    dev = hdr.device
-    buf = torch.full((src_at + B + 1,), -1 if validate else 0, dtype=torch.int64, device=dev)
-    buf[meta_at:merged_at].view(G, M).copy_(hdr[:, :M])
-    cum = hdr[:, M - 1 : M + B].cumsum(1)  # [G, B + 1]: first rows in the group, then its row count
-    start = cum[:, :B]
-    if G > 1:
-        start.addcmul_(torch.arange(G, device=dev).unsqueeze(1), hdr[:, _MERGE_ROWS].amax())
-    slot = hdr[:, M + B :].clamp(-1, B)  # -1 and B both index the spare word B of a [B + 1] row
-    merged_src = buf[merged_at:].view(2, B + 1)
-    merged_src[0].index_put_((slot,), hdr[:, M : M + B])
-    merged_src[1].index_put_((slot,), start)
-    cu = buf[merged_at - 1 : merged_at + B].cumsum(0, dtype=torch.int32)
-    if validate:
-        torch.eq(cum[:, B], hdr[:, _MERGE_ROWS], out=buf[:G])
-        if B:
-            torch.amin(merged_src[:, :B], 1, out=buf[G:meta_at])
-    else:
-        torch.sum(merged_src[0, :B], 0, keepdim=True, out=buf[G : G + 1])
-    return buf, merged_at, src_at, cu
+    G = hdr.shape[0]
+    merged_at = G + 2 + G * _MERGE_META
+    buf, cu = _ops.dynamic_cp_merge_index(hdr, B, validate)
+    return buf, merged_at, merged_at + B + 1, cu
 
 
 def _raise_header_errors(op: str, rows: list, B: int):
@@ -975,17 +962,20 @@ def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
         if nested:
             return out.detach()
         return values.detach(), ls
-    ids = torch.tensor(plan.sample_ids, dtype=torch.int64)
     merged, merged_lengths = _ops.dynamic_cp_merge(
-        values.detach(), ls, ids.to(ls.device), B, plan.local_cp_size, name, True, key_hash
+        values.detach(), ls, plan.sample_ids_on(ls.device), B, plan.local_cp_size, name, True, key_hash
     )
     if not nested:
         return merged, merged_lengths
-    offsets = torch.zeros(B + 1, dtype=torch.int64)
+    # The offsets go to the device from pinned memory: a copy that does not wait for the merge's
+    # kernels (from pageable memory it would; the caching host allocator keeps the buffer until
+    # the copy has run).
+    pinned = merged.device.type == "cuda"
+    offsets = torch.zeros(B + 1, dtype=torch.int64, pin_memory=pinned)
     torch.cumsum(merged_lengths, 0, out=offsets[1:])
     return torch.nested.nested_tensor_from_jagged(
         merged,
-        offsets=offsets.to(merged.device),
+        offsets=offsets.to(merged.device, non_blocking=pinned),
         min_seqlen=int(merged_lengths.min()) if B else 0,
         max_seqlen=int(merged_lengths.max()) if B else 0,
     )
