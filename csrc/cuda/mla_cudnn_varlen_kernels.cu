@@ -18,6 +18,31 @@ constexpr int kBlock = 256;
 
 size_t align16(size_t n) { return (n + 15) / 16 * 16; }
 
+// Slot `slot` of the metadata: the five ragged offsets from the sequence's first q / kv rows and,
+// for the slots of the bucket (slot < batch_bucket), its lengths. Both metadata kernels write
+// through here, so the two orders fill the same arrays the same way.
+__device__ __forceinline__ void write_slot(const VarlenMetadata& m, int64_t slot, int64_t batch_bucket,
+                                           int64_t start_q, int64_t start_kv, int64_t lq, int64_t lk,
+                                           int64_t q_token, int64_t k_token, int64_t v_token,
+                                           int64_t o_token, int64_t stats_token) {
+  m.offset_q[slot] = start_q * q_token;
+  m.offset_o[slot] = start_q * o_token;
+  m.offset_stats[slot] = start_q * stats_token;
+  m.offset_k[slot] = start_kv * k_token;
+  m.offset_v[slot] = start_kv * v_token;
+  if (slot < batch_bucket) {
+    m.seq_len_q[slot] = static_cast<int32_t>(lq);
+    m.seq_len_kv[slot] = static_cast<int32_t>(lk);
+  }
+}
+
+// Sequence b's length from offsets cu; decreasing offsets (bad input, checked only with
+// validate=True) give no rows rather than a negative length.
+__device__ __forceinline__ int64_t clamped_length(const int32_t* cu, int64_t b) {
+  const int64_t l = static_cast<int64_t>(cu[b + 1]) - cu[b];
+  return l > 0 ? l : int64_t{0};
+}
+
 __global__ void __launch_bounds__(kBlock)
     metadata_kernel(const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_kv,
                     int64_t batch, int64_t batch_bucket, int64_t q_token, int64_t k_token,
@@ -26,23 +51,8 @@ __global__ void __launch_bounds__(kBlock)
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     // Appended sequences (i >= batch) start at the end of the rows and have length 0.
     const int64_t b = i < batch ? i : batch;
-    const int64_t start_q = cu_q[b], start_kv = cu_kv[b];
-    m.offset_q[i] = start_q * q_token;
-    m.offset_o[i] = start_q * o_token;
-    m.offset_stats[i] = start_q * stats_token;
-    m.offset_k[i] = start_kv * k_token;
-    m.offset_v[i] = start_kv * v_token;
-    if (i < batch_bucket) {
-      int64_t lq = 0, lk = 0;
-      if (i < batch) {
-        // Decreasing offsets (bad input, checked only with validate=True) give no rows rather
-        // than a negative length.
-        lq = static_cast<int64_t>(cu_q[i + 1]) - start_q;
-        lk = static_cast<int64_t>(cu_kv[i + 1]) - start_kv;
-      }
-      m.seq_len_q[i] = static_cast<int32_t>(lq > 0 ? lq : 0);
-      m.seq_len_kv[i] = static_cast<int32_t>(lk > 0 ? lk : 0);
-    }
+    const int64_t lq = i < batch ? clamped_length(cu_q, i) : 0, lk = i < batch ? clamped_length(cu_kv, i) : 0;
+    write_slot(m, i, batch_bucket, cu_q[b], cu_kv[b], lq, lk, q_token, k_token, v_token, o_token, stats_token);
   }
 }
 
@@ -58,17 +68,13 @@ __global__ void __launch_bounds__(kBlock)
                         int64_t batch, int64_t batch_bucket, int64_t q_token, int64_t k_token,
                         int64_t v_token, int64_t o_token, int64_t stats_token, VarlenMetadata m) {
   __shared__ int64_t chunk_work[kBlock];
-  auto length = [](const int32_t* cu, int64_t b) {
-    const int64_t l = static_cast<int64_t>(cu[b + 1]) - cu[b];
-    return l > 0 ? l : int64_t{0};
-  };
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x;
-  const int64_t lq = i < batch ? length(cu_q, i) : 0, lk = i < batch ? length(cu_kv, i) : 0;
+  const int64_t lq = i < batch ? clamped_length(cu_q, i) : 0, lk = i < batch ? clamped_length(cu_kv, i) : 0;
   const int64_t work = lq * lk;
   int64_t rank = 0;
   for (int64_t j0 = 0; j0 < batch; j0 += kBlock) {
     const int64_t j = j0 + threadIdx.x;
-    chunk_work[threadIdx.x] = j < batch ? length(cu_q, j) * length(cu_kv, j) : -1;
+    chunk_work[threadIdx.x] = j < batch ? clamped_length(cu_q, j) * clamped_length(cu_kv, j) : -1;
     __syncthreads();
     const int64_t n = batch - j0 < kBlock ? batch - j0 : kBlock;
     for (int64_t t = 0; t < n; ++t) {
@@ -80,16 +86,7 @@ __global__ void __launch_bounds__(kBlock)
   if (i > batch_bucket) return;
   const int64_t slot = i < batch ? rank : i;
   const int64_t b = i < batch ? i : batch;  // appended slots: empty, at the end of the rows
-  const int64_t start_q = cu_q[b], start_kv = cu_kv[b];
-  m.offset_q[slot] = start_q * q_token;
-  m.offset_o[slot] = start_q * o_token;
-  m.offset_stats[slot] = start_q * stats_token;
-  m.offset_k[slot] = start_kv * k_token;
-  m.offset_v[slot] = start_kv * v_token;
-  if (slot < batch_bucket) {
-    m.seq_len_q[slot] = static_cast<int32_t>(lq);
-    m.seq_len_kv[slot] = static_cast<int32_t>(lk);
-  }
+  write_slot(m, slot, batch_bucket, cu_q[b], cu_kv[b], lq, lk, q_token, k_token, v_token, o_token, stats_token);
 }
 
 int grid_for(int64_t items, int64_t per_block) {
