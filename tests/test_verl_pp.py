@@ -36,7 +36,7 @@ def _megatron_namespace():
     return dict(
         inspect=inspect, get_schedule_table=get_schedule_table, is_vp_first_stage=is_vp_first_stage,
         is_vp_last_stage=is_vp_last_stage, get_transformer_layer_offset=get_transformer_layer_offset,
-        TransformerConfig=object, device_name=device_name, mpu=types.SimpleNamespace(),
+        TransformerConfig=object, device_name="cpu", mpu=types.SimpleNamespace(),
     )
 
 
