@@ -9,6 +9,8 @@ import math
 
 import torch
 
+from ._validate import check_merge_entries
+
 _INT32_MAX = 2**31 - 1
 _INDEX_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
 # int16 overflow flag slots of router_topk_record (core::kOverflowSlots).
@@ -163,14 +165,7 @@ def _merge_header_fake(lengths, sample_ids, num_samples, rows, dtype_hash, featu
     op = "dynamic_cp_merge_header"
     if not 0 <= num_samples <= _INT32_MAX:
         raise RuntimeError(f"{op}: num_samples must be in [0, {_INT32_MAX}], got {num_samples}")
-    for name, t in (("lengths", lengths), ("sample_ids", sample_ids)):
-        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
-            raise RuntimeError(f"{op}: {name} must be a 1-D int32/int64 tensor, got {t.dtype} {list(t.shape)}")
-    if lengths.shape[0] != sample_ids.shape[0] or lengths.shape[0] > num_samples:
-        raise RuntimeError(
-            f"{op}: lengths ({lengths.shape[0]}) and sample_ids ({sample_ids.shape[0]}) must have one entry "
-            f"per output sequence, at most num_samples={num_samples}"
-        )
+    check_merge_entries(op, lengths, sample_ids, num_samples, RuntimeError, list)
     return lengths.new_empty((9 + 2 * num_samples,), dtype=torch.int64)
 
 

@@ -149,6 +149,22 @@ def as_lengths(op: str, name: str, lengths) -> list:
     return out
 
 
+def check_merge_entries(
+    op: str, lengths, sample_ids, num_samples: int, exc: type = ValueError, shape=tuple
+) -> None:
+    """The per-sequence entries of a dynamic-CP merge (the op and its header step): ``lengths`` and
+    ``sample_ids`` 1-D int32/int64, one entry each per output sequence, at most ``num_samples``.
+    Raises ``exc``; ``shape`` formats a bad tensor's shape as that op's message has it."""
+    for name, t in (("lengths", lengths), ("sample_ids", sample_ids)):
+        if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
+            raise exc(f"{op}: {name} must be a 1-D int32/int64 tensor, got {t.dtype} {shape(t.shape)}")
+    if lengths.shape[0] != sample_ids.shape[0] or lengths.shape[0] > num_samples:
+        raise exc(
+            f"{op}: lengths ({lengths.shape[0]}) and sample_ids ({sample_ids.shape[0]}) must have one entry "
+            f"per output sequence, at most num_samples={num_samples}"
+        )
+
+
 def is_jagged_nested(x) -> bool:
     """True for a jagged nested tensor, decided from its Python class: a nested tensor's
     properties (``is_nested``, ``layout``, ``device``) each go through its ``__torch_function__``,

@@ -39,7 +39,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ._jagged import jagged_indices
-from ._validate import INT32_MAX, as_lengths, check_jagged, host_values_required, is_meta
+from ._validate import (
+    INT32_MAX,
+    as_lengths,
+    check_jagged,
+    check_merge_entries,
+    host_values_required,
+    is_meta,
+)
 
 _ops = torch.ops.verl_ops
 
@@ -619,14 +626,7 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
             raise _CallerRejected()
         if isinstance(B, bool) or not isinstance(B, int) or not 0 <= B <= INT32_MAX:
             raise ValueError(f"{op}: num_samples must be an int >= 0, got {B!r}")
-        for name, t in (("lengths", lengths), ("sample_ids", sample_ids)):
-            if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
-                raise ValueError(f"{op}: {name} must be a 1-D int32/int64 tensor, got {t.dtype} {tuple(t.shape)}")
-        if lengths.shape[0] != sample_ids.shape[0] or lengths.shape[0] > B:
-            raise ValueError(
-                f"{op}: lengths ({lengths.shape[0]}) and sample_ids ({sample_ids.shape[0]}) must have one entry "
-                f"per output sequence, at most num_samples={B}"
-            )
+        check_merge_entries(op, lengths, sample_ids, B)
         if values.dim() < 1:
             raise ValueError(f"{op}: values must be [rows, *F], got a 0-d tensor")
         local = _merge_header(values, lengths, sample_ids, B, local_cp_size, key_hash, device)
