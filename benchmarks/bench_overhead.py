@@ -26,6 +26,12 @@ CUDA events (verl_ops.timing.device_time). Layers:
   aten floor              torch.ops.aten.index_select.default(values, 0, index) from Python: an
                           aten op with one output allocation and one launch, for scale
 
+"call -> launch" columns (CUDA): the time from the Python call to the moment its first kernel
+launch enters the CUDA runtime, taken by benchmarks/launch_clock.c (compiled here with the
+system C compiler and preloaded: the script re-executes itself with LD_PRELOAD). It excludes
+what a call costs after its launch (returning the outputs to Python, freeing the last call's).
+--no-launch-clock skips them.
+
 Batches: 256 sequences of token ids (int64) and 1024 sequences of fp32 [.., 1] values, log-normal
 lengths (sigma 1, median 256), cp=1 and cp=4 zigzag (rank 0).
 """
@@ -33,10 +39,14 @@ lengths (sigma 1, median 256), cp=1 and cp=4 zigzag (rank 0).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import os
 import random
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -68,6 +78,60 @@ def host_time(fn, device, n=2000, warmup=50, chunk=16):
     return total / done
 
 
+_CLOCK_ENV = "VERL_OPS_LAUNCH_CLOCK"
+
+
+def preload_launch_clock():
+    """Re-executes this script with benchmarks/launch_clock.c compiled and preloaded (once)."""
+    if os.environ.get(_CLOCK_ENV):
+        return
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        print("launch clock: no C compiler; call -> launch columns skipped", file=sys.stderr)
+        return
+    src = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_clock.c")
+    lib = os.path.join(tempfile.mkdtemp(prefix="verl_ops_clock_"), "launch_clock.so")
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-o", lib, src, "-ldl"], check=True)
+    env = dict(os.environ)
+    env[_CLOCK_ENV] = lib
+    env["LD_PRELOAD"] = ":".join(x for x in (lib, env.get("LD_PRELOAD")) if x)
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+
+
+def launch_clock():
+    """The preloaded clock's take() (ns of the first launch since the last take, 0 if none), or None."""
+    lib = os.environ.get(_CLOCK_ENV)
+    if not lib:
+        return None
+    take = ctypes.CDLL(lib).verl_ops_launch_clock_take
+    take.restype = ctypes.c_int64
+    take.argtypes = []
+    return take
+
+
+def launch_time(fn, device, take, n=2000, warmup=50, chunk=16):
+    """Mean time from the Python call to its first kernel launch entering the runtime (chunks of
+    ``chunk`` calls, synchronised between chunks as host_time). nan if no call launched."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    take()
+    total, counted, done = 0, 0, 0
+    clock = time.perf_counter_ns
+    while done < n:
+        for _ in range(chunk):
+            t0 = clock()
+            fn()
+            t1 = take()
+            if t1:
+                total += t1 - t0
+                counted += 1
+        sync(device)
+        take()
+        done += chunk
+    return total / counted * 1e-9 if counted == done else float("nan")
+
+
 def lognormal(n, median, seed):
     rng = random.Random(seed)
     return [max(1, int(round(median * math.exp(rng.gauss(0.0, 1.0))))) for _ in range(n)]
@@ -78,8 +142,12 @@ def main():
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--n", type=int, default=2000)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-launch-clock", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device)
+    if device.type == "cuda" and not args.no_launch_clock:
+        preload_launch_clock()
+    take = launch_clock() if device.type == "cuda" else None
 
     import pytest
     import verl_stubs
@@ -96,8 +164,9 @@ def main():
         f"### Host cost per call ({name}, torch {torch.__version__})",
         "",
         "| batch | cp | raw op (Autograd key) | raw op below Autograd | API (before) | API | API, nested input "
-        "| verl drop-in e2e | verl drop-in e2e, idle stream | aten floor | kernel device time |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| verl drop-in e2e | verl drop-in e2e, idle stream | aten floor | kernel device time "
+        "| call -> launch: raw op (Autograd key) | raw op below Autograd | API | aten floor |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     for label, B, feat, dtype in (("256 seqs ids int64", 256, (), torch.int64), ("1024 seqs fp32 [.,1]", 1024, (1,), torch.float32)):
@@ -128,9 +197,17 @@ def main():
             index = torch.arange(0, T, 2, device=device)
             t_aten = host_time(lambda: torch.ops.aten.index_select.default(values, 0, index), device, args.n)
             t_dev = device_time(lambda i: op(*raw_args), device, 50) if device.type == "cuda" else float("nan")
+            nan = float("nan")
+            l_raw = launch_time(lambda: op(*raw_args), device, take, args.n) if take else nan
+            l_below = launch_time(below, device, take, args.n) if take else nan
+            l_api = launch_time(lambda: verl_ops.preprocess_thd(values, layout, 0, validate=False), device, take,
+                                args.n) if take else nan
+            l_aten = launch_time(lambda: torch.ops.aten.index_select.default(values, 0, index), device, take,
+                                 args.n) if take else nan
             us = lambda t: f"{t * 1e6:.1f} µs"  # noqa: E731
             row = (f"| {label} | {cp} | {us(t_raw)} | {us(t_below)} | {us(t_before)} | {us(t_api)} | {us(t_nested)} "
-                   f"| {us(t_dropin)} | {us(t_dropin_idle)} | {us(t_aten)} | {us(t_dev)} |")
+                   f"| {us(t_dropin)} | {us(t_dropin_idle)} | {us(t_aten)} | {us(t_dev)} "
+                   f"| {us(l_raw)} | {us(l_below)} | {us(l_api)} | {us(l_aten)} |")
             lines.append(row)
             print(row, flush=True)
     mp.undo()

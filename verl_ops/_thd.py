@@ -80,26 +80,38 @@ class _Unpack(torch.autograd.Function):
 
 
 # With nothing to record they redispatch straight to the keys below Autograd (the keyset the
-# dispatcher handed in), without a second trip through the dispatcher's entry.
+# dispatcher handed in), without a second trip through the dispatcher's entry. They call the
+# operator handle's redispatch directly (what OpOverload.redispatch does, less one Python frame
+# and one argument tuple: ~1 µs of the ~7 µs this kernel costs on a 2-core host).
 _after_autograd = torch._C._after_autograd_keyset
 _pack_op = _ops.preprocess_thd.default
 _unpack_op = _ops.postprocess_thd.default
 
 
+def _redispatcher(op):
+    handle = getattr(op, "_handle", None)
+    return getattr(handle, "redispatch_boxed", None) or op.redispatch
+
+
+_pack_redispatch = _redispatcher(_pack_op)
+_unpack_redispatch = _redispatcher(_unpack_op)
+_grad_enabled = torch.is_grad_enabled
+
+
 # (The dispatcher leaves trailing arguments that equal their schema default out of the call.)
 def _pack_autograd(keyset, values, cu, cu_padded, local_rows, cp_size=1, cp_rank=0, cp_layout=0, roll=False, mask=None):
-    args = (values, cu, cu_padded, local_rows, cp_size, cp_rank, cp_layout, roll, mask)
-    if values.requires_grad and torch.is_grad_enabled():
-        return _Pack.apply(*args)
-    return _pack_op.redispatch(keyset & _after_autograd, *args)
+    if values.requires_grad and _grad_enabled():
+        return _Pack.apply(values, cu, cu_padded, local_rows, cp_size, cp_rank, cp_layout, roll, mask)
+    return _pack_redispatch(keyset & _after_autograd, values, cu, cu_padded, local_rows, cp_size, cp_rank, cp_layout,
+                            roll, mask)
 
 
 def _unpack_autograd(keyset, packed, cu, cu_padded, total_tokens, cp_size=1, cp_rank=-1, cp_layout=0, roll=False,
                      mask=None):
-    args = (packed, cu, cu_padded, total_tokens, cp_size, cp_rank, cp_layout, roll, mask)
-    if packed.requires_grad and torch.is_grad_enabled():
-        return _Unpack.apply(*args)
-    return _unpack_op.redispatch(keyset & _after_autograd, *args)
+    if packed.requires_grad and _grad_enabled():
+        return _Unpack.apply(packed, cu, cu_padded, total_tokens, cp_size, cp_rank, cp_layout, roll, mask)
+    return _unpack_redispatch(keyset & _after_autograd, packed, cu, cu_padded, total_tokens, cp_size, cp_rank,
+                              cp_layout, roll, mask)
 
 
 _autograd_lib = torch.library.Library("verl_ops", "IMPL")
