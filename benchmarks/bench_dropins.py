@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
-import random
 import sys
 import types
 
@@ -27,15 +25,11 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import verl_stubs  # noqa: E402
+from batches import lognormal_lengths  # noqa: E402
 
 from verl_ops.integrations import verl as vi  # noqa: E402
 from verl_ops.integrations import verl_bshd as vb  # noqa: E402
 from verl_ops.timing import wall_time  # noqa: E402
-
-
-def lognormal_lengths(n, median, max_len, seed):
-    rng = random.Random(seed)
-    return [max(1, min(max_len, int(round(median * math.exp(rng.gauss(0.0, 1.0)))))) for _ in range(n)]
 
 
 def flat(x):
@@ -117,7 +111,7 @@ def main():
 
     mp.setattr(logging.Logger, "warning_once", logging.Logger.warning, raising=False)
 
-    lengths = lognormal_lengths(args.batch, args.median, args.max_len, seed=1)
+    lengths = lognormal_lengths(args.batch, args.median, seed=1, max_len=args.max_len)
     nested, right, mask_r, left, mask_l, pos_l, B, S = cases(lengths, device)
     T = sum(lengths)
 

@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import math
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -54,8 +52,26 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 import verl_ops  # noqa: E402
+from batches import lognormal_lengths  # noqa: E402
 from verl_ops import _thd  # noqa: E402
 from verl_ops.timing import device_time, sync  # noqa: E402
+
+
+def _chunked(fn, device, n, warmup, chunk, time_chunk):
+    """The loop shared by host_time and launch_time: ``warmup`` calls, then chunks of ``chunk``
+    back-to-back calls, each timed by ``time_chunk(fn, chunk) -> (seconds, calls counted)``, with a
+    device synchronisation between chunks outside the timed span. Returns (seconds, counted, calls)."""
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    total, counted, done = 0.0, 0, 0
+    while done < n:
+        seconds, k = time_chunk(fn, chunk)
+        total += seconds
+        counted += k
+        sync(device)
+        done += chunk
+    return total, counted, done
 
 
 def host_time(fn, device, n=2000, warmup=50, chunk=16):
@@ -63,18 +79,14 @@ def host_time(fn, device, n=2000, warmup=50, chunk=16):
     synchronisation between chunks outside the timed span. The launch queue never fills, so a
     kernel longer than the host cost does not leak into the figure (a plain back-to-back loop
     measures max(host, device) once the queue is full)."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    total = 0.0
-    done = 0
-    while done < n:
+
+    def whole_chunk(fn, chunk):
         t0 = time.perf_counter()
         for _ in range(chunk):
             fn()
-        total += time.perf_counter() - t0
-        sync(device)
-        done += chunk
+        return time.perf_counter() - t0, chunk
+
+    total, _, done = _chunked(fn, device, n, warmup, chunk, whole_chunk)
     return total / done
 
 
@@ -111,14 +123,12 @@ def launch_clock():
 
 def launch_time(fn, device, take, n=2000, warmup=50, chunk=16):
     """Mean time from the Python call to its first kernel launch entering the runtime (chunks of
-    ``chunk`` calls, synchronised between chunks as host_time). nan if no call launched."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    take()
-    total, counted, done = 0, 0, 0
+    ``chunk`` calls, synchronised between chunks as host_time). nan if a call launched nothing."""
     clock = time.perf_counter_ns
-    while done < n:
+
+    def call_to_launch(fn, chunk):
+        take()  # forget launches before this chunk (warm-up, the previous chunk's last call)
+        total, counted = 0, 0
         for _ in range(chunk):
             t0 = clock()
             fn()
@@ -126,15 +136,10 @@ def launch_time(fn, device, take, n=2000, warmup=50, chunk=16):
             if t1:
                 total += t1 - t0
                 counted += 1
-        sync(device)
-        take()
-        done += chunk
-    return total / counted * 1e-9 if counted == done else float("nan")
+        return total * 1e-9, counted
 
-
-def lognormal(n, median, seed):
-    rng = random.Random(seed)
-    return [max(1, int(round(median * math.exp(rng.gauss(0.0, 1.0))))) for _ in range(n)]
+    total, counted, done = _chunked(fn, device, n, warmup, chunk, call_to_launch)
+    return total / counted if counted == done else float("nan")
 
 
 def main():
@@ -170,7 +175,7 @@ def main():
     ]
     print("\n".join(lines), flush=True)
     for label, B, feat, dtype in (("256 seqs ids int64", 256, (), torch.int64), ("1024 seqs fp32 [.,1]", 1024, (1,), torch.float32)):
-        lengths = lognormal(B, 256, seed=B)
+        lengths = lognormal_lengths(B, 256, seed=B)
         T = sum(lengths)
         values = (torch.randint(0, 32000, (T, *feat)) if dtype == torch.int64 else torch.randn(T, *feat)).to(device, dtype)
         offsets = torch.tensor([0] + lengths, dtype=torch.int64).cumsum(0).to(device)

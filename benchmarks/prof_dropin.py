@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import verl_ops  # noqa: E402
-from bench_overhead import lognormal  # noqa: E402
+from batches import lognormal_lengths  # noqa: E402
 from verl_ops import _library, layout  # noqa: E402
 
 
@@ -48,7 +48,7 @@ def main():
              layout.ThdLayout._from_checked_offsets, layout.ThdLayout._from_host, layout._to_device,
              _library.call_op]
     for B in args.seqs:
-        lens = lognormal(B, 256, seed=B)  # bench_overhead.py's batch
+        lens = lognormal_lengths(B, 256, seed=B)  # bench_overhead.py's batch
         values = torch.randint(0, 32000, (sum(lens),), device=device)
         offsets = torch.tensor([0] + lens, dtype=torch.int64).cumsum(0).to(device)
         nested = torch.nested.nested_tensor_from_jagged(values, offsets)

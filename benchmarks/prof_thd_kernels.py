@@ -10,22 +10,16 @@ this isolates the kernel for comparing kernel changes."""
 from __future__ import annotations
 
 import argparse
-import math
-import random
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from batches import lognormal_lengths
 from verl_ops import ThdLayout
 from verl_ops.layout import CP_LAYOUT_CODES
 
 OPS = torch.ops.verl_ops
 ZIGZAG = CP_LAYOUT_CODES["zigzag"]
-
-
-def lognormal(n, median, seed, sigma=1.0):
-    r = random.Random(seed)
-    return [max(1, int(median * math.exp(r.gauss(0, sigma)))) for _ in range(n)]
 
 
 CASES = [
@@ -64,7 +58,7 @@ def main(argv=None):
     print("| batch | tokens | cp | pack kernel | unpack kernel |")
     print("|---|---|---|---|---|")
     for label, b, median, feat, dtype in CASES:
-        lengths = lognormal(b, median, b)
+        lengths = lognormal_lengths(b, median, seed=b)
         t = sum(lengths)
         x = (torch.randn(t, *feat, device="cuda") * 100).to(dtype)
         for cp in (1, 4):

@@ -9,6 +9,8 @@
 namespace verl_ops {
 namespace ops {
 
+static_assert(sizeof(HeaderCall::meta) == core::kMergeMeta * sizeof(int64_t), "HeaderCall::meta holds the meta words");
+
 namespace {
 
 constexpr const char* kHeaderOp = "dynamic_cp_merge_header";
@@ -21,7 +23,9 @@ int64_t load(const Tensor& t, int64_t i) {
 
 }  // namespace
 
-Tensor prepare_merge_header(const Tensor& lengths, const Tensor& sample_ids, int64_t num_samples) {
+HeaderCall prepare_merge_header(const Tensor& lengths, const Tensor& sample_ids, int64_t num_samples, int64_t rows,
+                                int64_t dtype_hash, int64_t feature_hash, int64_t row_bytes, int64_t key_hash,
+                                int64_t local_cp_size) {
   const char* op = kHeaderOp;
   VERL_CHECK(num_samples >= 0 && num_samples <= INT32_MAX, op, ": num_samples must be in [0, ", INT32_MAX,
              "], got ", num_samples);
@@ -36,7 +40,12 @@ Tensor prepare_merge_header(const Tensor& lengths, const Tensor& sample_ids, int
              ") must have one entry per output sequence, at most num_samples=", num_samples);
   VERL_CHECK(st::same_device(lengths, sample_ids), op, ": sample_ids is on ", st::device_of(sample_ids),
              " but lengths is on ", st::device_of(lengths));
-  return st::empty(lengths, {core::kMergeMeta + 2 * num_samples}, st::kLong);
+  HeaderCall call{st::empty(lengths, {core::kMergeMeta + 2 * num_samples}, st::kLong), st::contiguous(lengths),
+                  st::contiguous(sample_ids), {}};
+  const int64_t meta[core::kMergeMeta] = {lengths.size(0), rows,        dtype_hash,  feature_hash, row_bytes,
+                                          key_hash,        num_samples, local_cp_size, 0};
+  std::copy(meta, meta + core::kMergeMeta, call.meta);
+  return call;
 }
 
 std::tuple<Tensor, Tensor> prepare_merge_index(const Tensor& header, int64_t num_samples) {
@@ -55,17 +64,17 @@ std::tuple<Tensor, Tensor> prepare_merge_index(const Tensor& header, int64_t num
 Tensor merge_header_cpu(const Tensor& lengths, const Tensor& sample_ids, int64_t num_samples, int64_t rows,
                         int64_t dtype_hash, int64_t feature_hash, int64_t row_bytes, int64_t key_hash,
                         int64_t local_cp_size) {
-  Tensor out = prepare_merge_header(lengths, sample_ids, num_samples);
-  const Tensor len = st::contiguous(lengths), ids = st::contiguous(sample_ids);
+  const HeaderCall call = prepare_merge_header(lengths, sample_ids, num_samples, rows, dtype_hash, feature_hash,
+                                              row_bytes, key_hash, local_cp_size);
+  const Tensor &len = call.lengths, &ids = call.sample_ids;
   const int64_t n = len.size(0), B = num_samples;
-  int64_t* o = st::ptr<int64_t>(out);
-  const int64_t meta[core::kMergeMeta] = {n, rows, dtype_hash, feature_hash, row_bytes, key_hash, B, local_cp_size, 0};
-  std::copy(meta, meta + core::kMergeMeta, o);
+  int64_t* o = st::ptr<int64_t>(call.out);
+  std::copy(call.meta, call.meta + core::kMergeMeta, o);
   for (int64_t k = 0; k < B; ++k) {
     o[core::kMergeMeta + k] = k < n ? load(len, k) : 0;
     o[core::kMergeMeta + B + k] = k < n ? load(ids, k) : -1;
   }
-  return out;
+  return call.out;
 }
 
 std::tuple<Tensor, Tensor> merge_index_cpu(const Tensor& header, int64_t num_samples, bool validate) {

@@ -24,8 +24,17 @@ Tensor merge_header_cuda(const Tensor& lengths, const Tensor& sample_ids, int64_
 std::tuple<Tensor, Tensor> merge_index_cuda(const Tensor& header, int64_t num_samples, bool validate);
 #endif
 
+// A header call after its checks: the output allocated, the inputs made contiguous, and the
+// meta words in header order (core/merge_layout.h), the status word 0.
+struct HeaderCall {
+  Tensor out, lengths, sample_ids;
+  int64_t meta[9];  // core::kMergeMeta (merge_layout.h is not included here: it undefines VERL_HD)
+};
+
 // Shared argument checks; each returns the output(s), allocated.
-Tensor prepare_merge_header(const Tensor& lengths, const Tensor& sample_ids, int64_t num_samples);
+HeaderCall prepare_merge_header(const Tensor& lengths, const Tensor& sample_ids, int64_t num_samples, int64_t rows,
+                                int64_t dtype_hash, int64_t feature_hash, int64_t row_bytes, int64_t key_hash,
+                                int64_t local_cp_size);
 std::tuple<Tensor, Tensor> prepare_merge_index(const Tensor& header, int64_t num_samples);
 
 }  // namespace ops

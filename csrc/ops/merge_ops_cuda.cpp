@@ -11,15 +11,14 @@ Tensor merge_header_cuda(const Tensor& lengths, const Tensor& sample_ids, int64_
                          int64_t dtype_hash, int64_t feature_hash, int64_t row_bytes, int64_t key_hash,
                          int64_t local_cp_size) {
   const st::DeviceGuard guard(st::guard_index(lengths));
-  Tensor out = prepare_merge_header(lengths, sample_ids, num_samples);
-  const Tensor len = st::contiguous(lengths), ids = st::contiguous(sample_ids);
-  const int64_t meta[core::kMergeMeta] = {len.size(0), rows, dtype_hash, feature_hash, row_bytes,
-                                          key_hash, num_samples, local_cp_size, 0};
+  const HeaderCall call = prepare_merge_header(lengths, sample_ids, num_samples, rows, dtype_hash, feature_hash,
+                                              row_bytes, key_hash, local_cp_size);
+  const Tensor &len = call.lengths, &ids = call.sample_ids;
   st::check_launch("dynamic_cp_merge_header",
-                   cuda::launch_merge_header(meta, len.data_ptr(), len.scalar_type() == st::kLong, ids.data_ptr(),
-                                             ids.scalar_type() == st::kLong, len.size(0), num_samples,
-                                             st::ptr<int64_t>(out), st::current_stream(lengths)));
-  return out;
+                   cuda::launch_merge_header(call.meta, len.data_ptr(), len.scalar_type() == st::kLong,
+                                             ids.data_ptr(), ids.scalar_type() == st::kLong, len.size(0),
+                                             num_samples, st::ptr<int64_t>(call.out), st::current_stream(lengths)));
+  return call.out;
 }
 
 std::tuple<Tensor, Tensor> merge_index_cuda(const Tensor& header, int64_t num_samples, bool validate) {
