@@ -3,9 +3,9 @@
 
 Not collected by pytest yet (the file name has no ``test_`` prefix): it still reports findings
 (Meta kernels that accept what the CPU kernels reject or fail with messages that do not name the
-op, two contract checks missing in the CPU kernels; see the project notes of 2026-11-24). Once
+op, and missing or misattributed checks in the ops; see the project notes of 2026-11-24). Once
 those are fixed it becomes tests/test_fuzz_raw_ops.py, and its pytest functions below run in CI.
-Run it with ``python tests/fuzz_raw_ops.py --device cpu --cases 600 --seed 0``.
+Run it with ``python tests/fuzz_raw_ops.py --device cpu --cases 2000 --seed 1``.
 
 The project standard it checks: bad input gets a clear error naming the op and the argument;
 nothing crashes, hangs or writes out of bounds; nothing in a user's batch is silently lost or
@@ -47,8 +47,8 @@ for the same arguments on the meta device.
 
 Crash isolation: the cases run in child processes (``--worker``); a crash or hang is reported with
 its seed, and the run goes on after it. Reproduce one case with
-``python tests/test_fuzz_raw_ops.py --device cpu --seed S --cases 1 --inprocess -v``.
-Standalone: ``python tests/test_fuzz_raw_ops.py --device cpu|cuda --cases N --seed S`` prints a
+``python tests/fuzz_raw_ops.py --device cpu --seed S --cases 1 --inprocess -v``.
+Standalone: ``python tests/fuzz_raw_ops.py --device cpu|cuda --cases N --seed S`` prints a
 summary and exits non-zero on any finding (``--inprocess`` runs without child processes, e.g.
 under ``compute-sanitizer`` or ``valgrind``).
 """
@@ -68,6 +68,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -75,11 +76,11 @@ for _p in (HERE, ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import torch  # noqa: E402
+import torch
+from reference import layout_is_valid, ref_layout, ref_pack
+from router_reference import verl_stack
 
-import verl_ops  # noqa: E402,F401  (registers torch.ops.verl_ops)
-from reference import layout_is_valid, ref_layout, ref_pack  # noqa: E402
-from router_reference import verl_stack  # noqa: E402
+import verl_ops  # noqa: F401  (registers torch.ops.verl_ops)
 
 try:
     import pytest
@@ -218,7 +219,7 @@ def check_layout_values(bad: Violations, cu: list, cup: list, cp: int, layout: i
         if layout == 0 and cp > 1 and p % (2 * cp):
             bad.add(kind, ("zigzag", "cu_seqlens_padded"), f"zigzag sequence {i} padded {p} not a multiple of 2cp")
     if cup[-1] != total_padded:
-        bad.add(kind, ("cu_seqlens_padded",) + tuple(extra_words), f"cu_seqlens_padded[-1]={cup[-1]} != {total_padded}")
+        bad.add(kind, ("cu_seqlens_padded", *extra_words), f"cu_seqlens_padded[-1]={cup[-1]} != {total_padded}")
 
 
 def check_mask_static(bad: Violations, mask, like, B, name="attention_mask") -> bool:
@@ -301,7 +302,7 @@ def spec_thd_layout(args, device, info=False):
     if bad:
         return bad, None
     v = [int(a) for a in x.tolist()]
-    lengths = [b - a for a, b in zip(v[:-1], v[1:])] if is_off else v
+    lengths = [b - a for a, b in pairwise(v)] if is_off else v
     first_bad = next((i for i, n in enumerate(lengths) if not 0 <= n <= INT32_MAX), None)
     if first_bad is not None:
         if not info:
@@ -343,7 +344,7 @@ def spec_thd_layout(args, device, info=False):
         return bad, None
     if not info:
         return bad, (torch.tensor(cu, dtype=torch.int32), torch.tensor(cup, dtype=torch.int32))
-    padded = [b - a for a, b in zip(cup[:-1], cup[1:])]
+    padded = [b - a for a, b in pairwise(cup)]
     head = [-1, 0, cu[-1], cup[-1], max(padded, default=0), max(lengths, default=0), min(lengths, default=0)]
     return bad, (torch.tensor([cu, cup], dtype=torch.int32), torch.tensor(head + lengths, dtype=torch.int64))
 
@@ -371,10 +372,9 @@ def spec_preprocess(args, device):
         bad.add("static", "values", "values has too few dims")
     if cp_ok and not _fits64(cp * local_rows):
         bad.add("static", ("local_rows", "cp_size", "overflow"), "cp_size * local_rows overflows")
-    if mask is not None:
-        if check_mask_static(bad, mask, values, _batch(cu)) and values.dim() >= 2 and \
-                tuple(values.shape[:2]) != tuple(mask.shape):
-            bad.add("static", ("attention_mask", "values", "padded input"), "values [B, S] != mask shape")
+    mask_ok = mask is not None and check_mask_static(bad, mask, values, _batch(cu))
+    if mask_ok and values.dim() >= 2 and tuple(values.shape[:2]) != tuple(mask.shape):
+        bad.add("static", ("attention_mask", "values", "padded input"), "values [B, S] != mask shape")
     if values.dim() >= skip and local_rows >= 0 and cp_ok and rank >= -1:
         check_size(bad, (cp if rank < 0 else 1) * local_rows * _row_bytes(values, skip), ("local_rows",))
     if _readable(cu):
@@ -397,7 +397,7 @@ def spec_preprocess(args, device):
 
 def _holders(cu: list, cup: list, cp: int, layout: int, roll: bool):
     """token index -> [(rank, local row), ...] holding it after pack (the reference pack of token ids)."""
-    lens = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    lens = [b - a for a, b in pairwise(cu)]
     ids = [torch.arange(cu[i], cu[i] + n, dtype=torch.int64) + 1 for i, n in enumerate(lens)]
     where = {}
     for r in range(cp):
@@ -526,7 +526,7 @@ def spec_jagged(args, device, scatter):
         bad.add("value", ("cu_seqlens_out", total_name, name), "cu_seqlens_out[-1] != gathered rows")
     if scatter and not any(b.kind == "value" for b in bad):
         spans = sorted((s[j], s[j] + c[j + 1] - c[j]) for j in range(n) if c[j + 1] > c[j])
-        if any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+        if any(b[0] < a[1] for a, b in pairwise(spans)):
             bad.add("value", ("src_starts", "overlapping"), "overlapping spans")
     if bad:
         return bad, None
@@ -724,7 +724,7 @@ def spec_scatter(args, device):
 
 
 def spec_merge_router(args, device):
-    (indices, cu, cup, total, local_rows, tp, cp, layout, tp_name, cp_name, mask, validate, rank_error) = args
+    (indices, cu, cup, total, local_rows, tp, cp, layout, _tp_name, _cp_name, mask, validate, rank_error) = args
     bad = Violations()
     # The Python op (verl_ops/router.py): every check reads the host ("host"), whatever the device.
     if tp != 1:
@@ -770,7 +770,7 @@ def spec_merge_router(args, device):
 
 
 def spec_split(args, device):
-    values, lengths, max_seqlen, group_name, assignment, validate, rank_error = args
+    values, lengths, max_seqlen, group_name, assignment, _validate, rank_error = args
     bad = Violations()
     if group_name is not None:
         bad.add("host", "group_name", "no process group")
@@ -780,7 +780,8 @@ def spec_split(args, device):
         bad.add("host", "assignment", "assignment not 0/1")
     if not 1 <= max_seqlen <= INT32_MAX:
         bad.add("host", "max_seqlen_per_dp_cp_rank", "max_seqlen_per_dp_cp_rank out of range")
-    if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype.is_complex or lengths.dtype == torch.bool:
+    ldt = lengths.dtype
+    if lengths.dim() != 1 or ldt.is_floating_point or ldt.is_complex or ldt == torch.bool:
         bad.add("host", "lengths", "lengths must be a 1-D integer tensor")
         return bad, None
     if lengths.device.type == "meta":
@@ -802,7 +803,7 @@ def spec_split(args, device):
 
 
 def spec_merge(args, device):
-    values, lengths, ids, B, lcs, group_name, validate, key_hash, rank_error = args
+    values, lengths, ids, B, lcs, group_name, validate, _key_hash, rank_error = args
     bad = Violations()
     if group_name is not None:
         bad.add("host", "group_name", "no process group")
@@ -812,8 +813,8 @@ def spec_merge(args, device):
     if not 0 <= B <= INT32_MAX:
         bad.add("host", "num_samples", "num_samples out of range")
         entries_ok = False
-    if lcs < 1:
-        bad.add("host", "local_cp_size", "local_cp_size < 1 (the op contract: a CP size)")
+    if group_name is None and lcs != 1:  # (DynamicCPGroups._size's rule, for dp_size = 1)
+        bad.add("host", "local_cp_size", "local_cp_size must be 1 without a process group (dp_size = 1)")
     for name, t in (("lengths", lengths), ("sample_ids", ids)):
         if t.dim() != 1 or t.dtype not in (torch.int32, torch.int64):
             bad.add("host", name, f"{name} must be a 1-D int32/int64 tensor")
@@ -1458,10 +1459,10 @@ def gen_record(rng, g, device, layers: bool):
         first = [idx[l] for l in range(L)]
         if rng.random() < 0.3:
             first = [t.contiguous() for t in first]
-        name, op = "indices", "router_topk_record_layers"
+        op = "router_topk_record_layers"
         vals = [first, cu_t, cup_t, total, mask]
     else:
-        name, op = "indices", "router_topk_record"
+        op = "router_topk_record"
         vals = [idx, cu_t, cup_t, total, mask]
     b = Builder(rng, device, op, ["indices", "cu_seqlens", "cu_seqlens_padded", "total_tokens", "attention_mask"],
                 vals)
@@ -1787,6 +1788,11 @@ def describe_args(case: Case) -> str:
     return f"{case.op}(" + ", ".join(describe(a) for a in case.args) + ")"
 
 
+def finding_of(case: Case, kind: str, detail: str) -> dict:
+    return {"seed": case.seed, "op": case.op, "kind": kind, "detail": detail, "muts": case.muts,
+            "args": describe_args(case)}
+
+
 def to_meta(x):
     if _is_t(x):
         return torch.empty_like(x, device="meta")
@@ -1877,8 +1883,7 @@ def judge(case: Case, device: str, outcome: list | None = None) -> list:
     findings = []
 
     def finding(kind, detail):
-        findings.append(dict(seed=case.seed, op=case.op, kind=kind, detail=detail, muts=case.muts,
-                             args=describe_args(case)))
+        findings.append(finding_of(case, kind, detail))
 
     # The kernel that runs: CUDA when any tensor argument is on a GPU (a mutation may have moved
     # every tensor of a CUDA case to the CPU).
@@ -1890,7 +1895,7 @@ def judge(case: Case, device: str, outcome: list | None = None) -> list:
         out = call_op(case.op, case.args)
         if device == "cuda":
             torch.cuda.synchronize()
-    except Exception as e:  # noqa: BLE001  (judged below)
+    except Exception as e:
         err = e
         if device == "cuda" and is_cuda_fault(e):
             raise CudaFault(f"CUDA fault (sticky: the worker stops): {type(e).__name__}: {str(e)[:300]}") from e
@@ -1961,8 +1966,7 @@ def worker(device: str, seed: int, cases: int, inject_crash=None, verbose=False,
             return 3
         except Exception:  # noqa: BLE001  (a bug of the fuzzer itself: report it, do not hide it)
             case = Case(s, "?", []) if case is None or case.seed != s else case
-            found = [dict(seed=s, op=case.op, kind="fuzzer error", detail=traceback.format_exc()[-1500:],
-                          muts=case.muts, args=describe_args(case))]
+            found = [finding_of(case, "fuzzer error", traceback.format_exc()[-1500:])]
         for f in found:
             print("F " + json.dumps(f), flush=True)
         print(f"O {case.op} {'bad' if found else (outcome[0] if outcome else 'bad')}", flush=True)
@@ -1976,7 +1980,7 @@ def _count(counts: dict, op: str, outcome: str, n: int = 1):
 
 
 def fault_finding(case, e):
-    return dict(seed=case.seed, op=case.op, kind="crash", detail=str(e), muts=case.muts, args=describe_args(case))
+    return finding_of(case, "crash", str(e))
 
 
 def _limit_memory():
@@ -2010,19 +2014,24 @@ class Report:
         """(kind, op, what) -> findings; `what` is the detail without its numbers."""
         out = {}
         for f in self.findings:
-            what = re.sub(r"-?\d+", "N", f["detail"].split(": ", 2)[0] if f["kind"] == "bad error" else f["detail"])
+            what = f["detail"]
+            if f["kind"] in ("bad error", "meta bad error"):  # why, the error's type, who it names
+                why, _, rest = what.partition(": ")
+                etype, _, msg = rest.partition(": ")
+                head = msg.split(":")[0] if re.match(r"[\w:]+:", msg) else " ".join(msg.split()[:4])
+                what = f"{why} {etype} {head}"
+            what = re.sub(r"-?\d+", "N", what)
             what = re.sub(r"\[[^\]]*\]", "[..]", what)[:160]
             out.setdefault((f["kind"], f["op"], what), []).append(f)
         return out
 
     def format(self, limit=40) -> str:
-        lines = [f"fuzz {self.device}: {self.ran} of {self.cases} cases from seed {self.seed} in "
-                 f"{self.seconds:.1f} s, {len(self.findings)} finding(s) in {len(self.groups())} group(s)",
+        lines = [(f"fuzz {self.device}: {self.ran} of {self.cases} cases from seed {self.seed} in "
+                  f"{self.seconds:.1f} s, {len(self.findings)} finding(s) in {len(self.groups())} group(s)"),
                  f"  {'op':28s}" + "".join(f"{k:>8s}" for k in OUTCOMES)]
         for op in sorted(self.counts):
             lines.append(f"  {op:28s}" + "".join(f"{self.counts[op].get(k, 0):8d}" for k in OUTCOMES))
-        shown = 0
-        for (kind, op, what), fs in sorted(self.groups().items()):
+        for shown, ((kind, op, _what), fs) in enumerate(sorted(self.groups().items())):
             if shown >= limit:
                 lines.append(f"  ... and {len(self.groups()) - limit} more group(s)")
                 break
@@ -2032,7 +2041,6 @@ class Report:
                          f"      e.g. seed={f['seed']} muts={f['muts']}\n      args: {f['args'][:500]}")
             if len(fs) > 1:
                 lines.append(f"      seeds: {[x['seed'] for x in fs[:12]]}{' ...' if len(fs) > 12 else ''}")
-            shown += 1
         return "\n".join(lines)
 
 
@@ -2095,8 +2103,7 @@ def _run_range(device, start, count, case_timeout, inject_crash, env_extra, op=N
         if done and rc == 0:
             break
         if last is None:  # the worker died before its first case: no seed to blame
-            findings.append(dict(seed=start, op="?", kind="worker failed", muts=[], args="",
-                                 detail=f"exit status {rc}: {stderr[-1500:]}"))
+            findings.append(finding_of(Case(start, "?", []), "worker failed", f"exit status {rc}: {stderr[-1500:]}"))
             break
         what = f"hang (no case finished within {case_timeout} s)" if rc is None else f"crash (exit status {rc})"
         case = None
@@ -2106,9 +2113,8 @@ def _run_range(device, start, count, case_timeout, inject_crash, env_extra, op=N
             except Exception:  # noqa: BLE001
                 case = None
         if not any(f["seed"] == last and f["kind"] == "crash" for f in findings):
-            findings.append(dict(seed=last, op=case.op if case else "?", kind="crash" if rc is not None else "hang",
-                                 muts=case.muts if case else [], args=describe_args(case) if case else "",
-                                 detail=f"{what}; stderr tail: {stderr[-800:]}"))
+            findings.append(finding_of(case or Case(last, "?", []), "crash" if rc is not None else "hang",
+                                       f"{what}; stderr tail: {stderr[-800:]}"))
         if last_done != last:  # (a CUDA fault reports its case itself, then the worker stops)
             _count(counts, case.op if case is not None else "?", "bad")
         start = last + 1
@@ -2153,8 +2159,7 @@ def fuzz_inprocess(device: str, seed: int, cases: int, verbose=False, op=None) -
             break
         except Exception:  # noqa: BLE001  (a bug of the fuzzer itself: report it, do not hide it)
             case = Case(s, "?", []) if case is None or case.seed != s else case
-            found = [dict(seed=s, op=case.op, kind="fuzzer error", detail=traceback.format_exc()[-1500:],
-                          muts=case.muts, args=describe_args(case))]
+            found = [finding_of(case, "fuzzer error", traceback.format_exc()[-1500:])]
         report.findings += found
         _count(report.counts, case.op, "bad" if found else (outcome[0] if outcome else "bad"))
     report.seconds = time.time() - t0
@@ -2172,21 +2177,22 @@ if pytest is not None:
 
     def test_fuzz_raw_ops_cpu():
         report = fuzz("cpu", FUZZ_SEED, CPU_CASES, jobs=2)
-        print(report.format())
+        print(report.format(limit=500))
         assert report.ran == CPU_CASES, report.format()
-        assert not report.findings, report.format()
+        assert not report.findings, report.format(limit=500)
 
     @pytest.mark.gpu
     @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")
     def test_fuzz_raw_ops_cuda():
         report = fuzz("cuda", FUZZ_SEED, CUDA_CASES, jobs=1)
-        print(report.format())
-        assert not report.findings, report.format()
+        print(report.format(limit=500))
+        assert not report.findings, report.format(limit=500)
 
     def test_fuzzer_covers_every_op():
         """Every registered verl_ops op (but the CUDA-only mla_* ones) has a generator, a contract
         check and a schema of the arity the generator builds."""
-        schemas = {s.name.split("::")[1]: s for s in torch._C._jit_get_all_schemas() if s.name.startswith("verl_ops::")}
+        schemas = {s.name.split("::")[1]: s for s in torch._C._jit_get_all_schemas()
+                   if s.name.startswith("verl_ops::")}
         wanted = {n for n in schemas if not n.startswith("mla_")}
         assert wanted == set(OPS) == set(GENERATORS) == set(SPECS) == set(WEIGHTS), sorted(wanted ^ set(OPS))
         for name in OPS:
@@ -2207,10 +2213,11 @@ if pytest is not None:
         def wrong(op, args):  # a kernel that answers one off
             out = real(op, args)
             return out + 1 if out.dtype != torch.bool else ~out
-        good = Case(1, "jagged_gather", [torch.arange(6.0), torch.tensor([2]), torch.tensor([0, 3], dtype=torch.int32), 3])
+        cu = torch.tensor([0, 3], dtype=torch.int32)
+        good = Case(1, "jagged_gather", [torch.arange(6.0), torch.tensor([2]), cu, 3])
         monkeypatch.setattr(sys.modules[__name__], "call_op", wrong)
         assert [f["kind"] for f in judge(good, "cpu")] == ["wrong output"]
-        bad = Case(2, "jagged_gather", [torch.arange(6.0), torch.tensor([5]), torch.tensor([0, 3], dtype=torch.int32), 3])
+        bad = Case(2, "jagged_gather", [torch.arange(6.0), torch.tensor([5]), cu, 3])
         monkeypatch.setattr(sys.modules[__name__], "call_op", lambda op, args: torch.zeros(args[3]))
         assert "silently accepted" in [f["kind"] for f in judge(bad, "cpu")]
 
