@@ -76,16 +76,13 @@ for _p in (HERE, ROOT):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
+import pytest
 import torch
+from conftest import random_data, scattered_mask
 from reference import layout_is_valid, ref_layout, ref_pack
 from router_reference import verl_stack
 
 import verl_ops  # noqa: F401  (registers torch.ops.verl_ops)
-
-try:
-    import pytest
-except ImportError:  # standalone on a host without pytest
-    pytest = None
 
 ops = torch.ops.verl_ops
 INT32_MAX = 2**31 - 1
@@ -1027,26 +1024,6 @@ def gen_layout(rng: random.Random, lengths, cp: int, layout: int, tp: int = 1):
     raise AssertionError("no valid layout")
 
 
-def rand_data(g: torch.Generator, shape, dtype) -> torch.Tensor:
-    shape = tuple(shape)
-    if dtype == torch.bool:
-        return torch.randint(0, 2, shape, generator=g).bool()
-    if dtype == torch.uint8:
-        return torch.randint(1, 256, shape, generator=g).to(dtype)
-    if not dtype.is_floating_point:
-        info = torch.iinfo(dtype)
-        return torch.randint(max(info.min, -(2**40)), min(info.max, 2**40), shape, generator=g,
-                             dtype=torch.int64).to(dtype)
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * 10).to(dtype)
-
-
-def scattered_mask(rng: random.Random, lengths, S: int) -> torch.Tensor:
-    mask = torch.zeros(len(lengths), S, dtype=torch.bool)
-    for i, n in enumerate(lengths):
-        mask[i, sorted(rng.sample(range(S), n))] = True
-    return mask
-
-
 def other_device(device: str):
     """The device a device-mix mutation moves a tensor to (None: only one device here)."""
     if device == "cuda":
@@ -1294,7 +1271,7 @@ def gen_thd(rng, g, device, unpack: bool):
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
     cup_t = torch.tensor(cup, dtype=torch.int32, device=device)
     if not unpack:
-        values = rand_data(g, ((len(lengths), mask.shape[1]) if padded else (cu[-1],)) + feat, dtype).to(device)
+        values = random_data(((len(lengths), mask.shape[1]) if padded else (cu[-1],)) + feat, dtype, g).to(device)
         names = ["values", "cu_seqlens", "cu_seqlens_padded", "local_rows", "cp_size", "cp_rank", "cp_layout",
                  "roll", "attention_mask"]
         b = Builder(rng, device, "preprocess_thd", names,
@@ -1303,7 +1280,7 @@ def gen_thd(rng, g, device, unpack: bool):
         b.int_mut("local_rows", int_choices(local_rows), weight=1.5)
     else:
         shape = ((cp, local_rows) if rank < 0 else (local_rows,)) + feat
-        packed = rand_data(g, shape, dtype).to(device)
+        packed = random_data(shape, dtype, g).to(device)
         total = cu[-1]
         names = ["packed", "cu_seqlens", "cu_seqlens_padded", "total_tokens", "cp_size", "cp_rank", "cp_layout",
                  "roll", "attention_mask"]
@@ -1362,12 +1339,12 @@ def gen_jagged(rng, g, device, scatter: bool):
             starts[j] = pos
             pos += lens[j] + gaps[k + 1]
         total = pos
-        data = rand_data(g, (cu[-1],) + feat, dtype).to(device)
+        data = random_data((cu[-1],) + feat, dtype, g).to(device)
     else:
         pool = sum(lens) + rng.randint(0, 10)
         starts = [rng.randint(0, pool - ln) for ln in lens]
         total = cu[-1]
-        data = rand_data(g, (pool,) + feat, dtype).to(device)
+        data = random_data((pool,) + feat, dtype, g).to(device)
     src = torch.tensor(starts, dtype=torch.int64, device=device)
     cu_t = torch.tensor(cu, dtype=torch.int32, device=device)
     dname, tname = ("grad", "total_in") if scatter else ("values", "total_out")
@@ -1643,7 +1620,7 @@ def gen_merge_router(rng, g, device):
 def gen_split(rng, g, device):
     lengths = gen_lengths(rng)
     feat = rng.choice([(), (3,), (2, 2)])
-    values = rand_data(g, (sum(lengths),) + feat, rng.choice(DATA_DTYPES)).to(device)
+    values = random_data((sum(lengths),) + feat, rng.choice(DATA_DTYPES), g).to(device)
     ldt = rng.choice([torch.int64, torch.int32, torch.int16] if max(lengths, default=0) < 2**15 else [torch.int64])
     lt = torch.tensor(lengths, dtype=ldt)
     if device != "cpu" and rng.random() < 0.3:
@@ -1667,7 +1644,7 @@ def gen_merge(rng, g, device):
     ids = list(range(B))
     rng.shuffle(ids)
     feat = rng.choice([(), (3,), (2, 2)])
-    values = rand_data(g, (sum(lens),) + feat, rng.choice(DATA_DTYPES)).to(device)
+    values = random_data((sum(lens),) + feat, rng.choice(DATA_DTYPES), g).to(device)
     dt = rng.choice([torch.int64, torch.int32])
     lt = torch.tensor(lens, dtype=dt, device=device)
     it = torch.tensor(ids, dtype=rng.choice([torch.int64, torch.int32]), device=device)
@@ -2173,58 +2150,60 @@ CPU_CASES = int(os.environ.get("VERL_OPS_FUZZ_CASES", "12000"))
 CUDA_CASES = int(os.environ.get("VERL_OPS_FUZZ_CUDA_CASES", "8000"))
 FUZZ_SEED = int(os.environ.get("VERL_OPS_FUZZ_SEED", "1"))
 
-if pytest is not None:
 
-    def test_fuzz_raw_ops_cpu():
-        report = fuzz("cpu", FUZZ_SEED, CPU_CASES, jobs=2)
-        print(report.format(limit=500))
-        assert report.ran == CPU_CASES, report.format()
-        assert not report.findings, report.format(limit=500)
+def test_fuzz_raw_ops_cpu():
+    report = fuzz("cpu", FUZZ_SEED, CPU_CASES, jobs=2)
+    print(report.format(limit=500))
+    assert report.ran == CPU_CASES, report.format()
+    assert not report.findings, report.format(limit=500)
 
-    @pytest.mark.gpu
-    @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")
-    def test_fuzz_raw_ops_cuda():
-        report = fuzz("cuda", FUZZ_SEED, CUDA_CASES, jobs=1)
-        print(report.format(limit=500))
-        assert not report.findings, report.format(limit=500)
 
-    def test_fuzzer_covers_every_op():
-        """Every registered verl_ops op (but the CUDA-only mla_* ones) has a generator, a contract
-        check and a schema of the arity the generator builds."""
-        schemas = {s.name.split("::")[1]: s for s in torch._C._jit_get_all_schemas()
-                   if s.name.startswith("verl_ops::")}
-        wanted = {n for n in schemas if not n.startswith("mla_")}
-        assert wanted == set(OPS) == set(GENERATORS) == set(SPECS) == set(WEIGHTS), sorted(wanted ^ set(OPS))
-        for name in OPS:
-            case = make_case(0, "cpu", name)
-            assert len(case.args) == len(schemas[name].arguments), name
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (torch.cuda.is_available() is False)")
+def test_fuzz_raw_ops_cuda():
+    report = fuzz("cuda", FUZZ_SEED, CUDA_CASES, jobs=1)
+    print(report.format(limit=500))
+    assert not report.findings, report.format(limit=500)
 
-    def test_fuzzer_catches_crashes_and_wrong_answers(monkeypatch):
-        """The harness fails when it should: a worker that aborts is reported as a crash naming the
-        seed, and a wrong output / a silently accepted bad input / an error without the op's name
-        each become findings."""
-        report = fuzz("cpu", 100, 6, jobs=1, inject_crash=102)
-        crashes = [f for f in report.findings if f["kind"] == "crash"]
-        assert [f["seed"] for f in crashes] == [102], report.format()
-        assert report.ran == 6  # the crashed case, and the cases after it ran too
 
-        real = call_op
+def test_fuzzer_covers_every_op():
+    """Every registered verl_ops op (but the CUDA-only mla_* ones) has a generator, a contract
+    check and a schema of the arity the generator builds."""
+    schemas = {s.name.split("::")[1]: s for s in torch._C._jit_get_all_schemas()
+               if s.name.startswith("verl_ops::")}
+    wanted = {n for n in schemas if not n.startswith("mla_")}
+    assert wanted == set(OPS) == set(GENERATORS) == set(SPECS) == set(WEIGHTS), sorted(wanted ^ set(OPS))
+    for name in OPS:
+        case = make_case(0, "cpu", name)
+        assert len(case.args) == len(schemas[name].arguments), name
 
-        def wrong(op, args):  # a kernel that answers one off
-            out = real(op, args)
-            return out + 1 if out.dtype != torch.bool else ~out
-        cu = torch.tensor([0, 3], dtype=torch.int32)
-        good = Case(1, "jagged_gather", [torch.arange(6.0), torch.tensor([2]), cu, 3])
-        monkeypatch.setattr(sys.modules[__name__], "call_op", wrong)
-        assert [f["kind"] for f in judge(good, "cpu")] == ["wrong output"]
-        bad = Case(2, "jagged_gather", [torch.arange(6.0), torch.tensor([5]), cu, 3])
-        monkeypatch.setattr(sys.modules[__name__], "call_op", lambda op, args: torch.zeros(args[3]))
-        assert "silently accepted" in [f["kind"] for f in judge(bad, "cpu")]
 
-        def unnamed(op, args):
-            raise RuntimeError("something went wrong")
-        monkeypatch.setattr(sys.modules[__name__], "call_op", unnamed)
-        assert "bad error" in [f["kind"] for f in judge(bad, "cpu")]
+def test_fuzzer_catches_crashes_and_wrong_answers(monkeypatch):
+    """The harness fails when it should: a worker that aborts is reported as a crash naming the
+    seed, and a wrong output / a silently accepted bad input / an error without the op's name
+    each become findings."""
+    report = fuzz("cpu", 100, 6, jobs=1, inject_crash=102)
+    crashes = [f for f in report.findings if f["kind"] == "crash"]
+    assert [f["seed"] for f in crashes] == [102], report.format()
+    assert report.ran == 6  # the crashed case, and the cases after it ran too
+
+    real = call_op
+
+    def wrong(op, args):  # a kernel that answers one off
+        out = real(op, args)
+        return out + 1 if out.dtype != torch.bool else ~out
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    good = Case(1, "jagged_gather", [torch.arange(6.0), torch.tensor([2]), cu, 3])
+    monkeypatch.setattr(sys.modules[__name__], "call_op", wrong)
+    assert [f["kind"] for f in judge(good, "cpu")] == ["wrong output"]
+    bad = Case(2, "jagged_gather", [torch.arange(6.0), torch.tensor([5]), cu, 3])
+    monkeypatch.setattr(sys.modules[__name__], "call_op", lambda op, args: torch.zeros(args[3]))
+    assert "silently accepted" in [f["kind"] for f in judge(bad, "cpu")]
+
+    def unnamed(op, args):
+        raise RuntimeError("something went wrong")
+    monkeypatch.setattr(sys.modules[__name__], "call_op", unnamed)
+    assert "bad error" in [f["kind"] for f in judge(bad, "cpu")]
 
 
 # --------------------------------------------------------------------------------------------
