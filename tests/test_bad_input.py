@@ -1082,6 +1082,44 @@ RAW_CASES = [
          lambda d: ops.merge_router_topk([torch.zeros(2, 8, 2, dtype=torch.int64, device=d)], _i32([0, 3, 8], d),
                                          _i32([0, 3, 8], d), 8, 8,
                                          attention_mask=torch.ones(2, 5, dtype=torch.bool, device=d)), "row 0"),
+    # Found by tests/test_fuzz_raw_ops.py (each once a crash, a hang, a wrong name or a silent accept).
+    Case("raw-dynamic_cp_merge-num_samples_2**31", "dynamic_cp_merge", "num_samples", ValueError,
+         lambda d: ops.dynamic_cp_merge(torch.zeros(8, device=d), _i64([3, 5], d), _i64([0, 1], d), 2**31, 1)),
+    Case("raw-dynamic_cp_merge-num_samples_2**62", "dynamic_cp_merge", "num_samples", ValueError,
+         lambda d: ops.dynamic_cp_merge(torch.zeros(8, device=d), _i64([3, 5], d), _i64([0, 1], d), 2**62, 1)),
+    Case("raw-dynamic_cp_merge-local_cp_size_-1", "dynamic_cp_merge", "local_cp_size", ValueError,
+         lambda d: ops.dynamic_cp_merge(torch.zeros(8, device=d), _i64([3, 5], d), _i64([0, 1], d), 2, -1)),
+    Case("raw-dynamic_cp_merge-local_cp_size_2", "dynamic_cp_merge", "local_cp_size", ValueError,
+         lambda d: ops.dynamic_cp_merge(torch.zeros(8, device=d), _i64([3, 5], d), _i64([0, 1], d), 2, 2),
+         "without a process group"),
+    Case("raw-merge_router_topk-cu_seqlens_padded_float", "merge_router_topk", "cu_seqlens_padded", RT,
+         lambda d: ops.merge_router_topk([torch.zeros(8, 2, dtype=torch.int16, device=d)], _i32([0, 3, 8], d),
+                                         torch.tensor([0.0, 3.0, 8.0], device=d), 8, 8), "int32"),
+    Case("raw-merge_router_topk-layers_dtype", "merge_router_topk", "indices[1]", RT,
+         lambda d: ops.merge_router_topk([torch.zeros(8, 2, dtype=torch.int16, device=d),
+                                          torch.zeros(8, 2, dtype=torch.int32, device=d)], _i32([0, 3, 8], d),
+                                         _i32([0, 3, 8], d), 8, 8)),
+    Case("raw-merge_router_topk-attention_mask_1d", "merge_router_topk", "attention_mask", ValueError,
+         lambda d: ops.merge_router_topk([torch.zeros(8, 2, dtype=torch.int16, device=d)], _i32([0, 3, 8], d),
+                                         _i32([0, 3, 8], d), 8, 8,
+                                         attention_mask=torch.ones(8, dtype=torch.bool, device=d)), r"\[B, S\]"),
+    Case("raw-merge_router_topk-cu_seqlens_0d_with_mask", "merge_router_topk", "cu_seqlens", RT,
+         lambda d: ops.merge_router_topk([torch.zeros(8, 2, dtype=torch.int16, device=d)],
+                                         torch.tensor(8, dtype=torch.int32, device=d), _i32([0, 3, 8], d), 8, 8,
+                                         attention_mask=torch.ones(2, 5, dtype=torch.bool, device=d)), "1-D"),
+    Case("raw-merge_router_topk-cu_seqlens_empty_with_mask", "merge_router_topk", "cu_seqlens", RT,
+         lambda d: ops.merge_router_topk([torch.zeros(8, 2, dtype=torch.int16, device=d)], _i32([], d),
+                                         _i32([0, 3, 8], d), 8, 8,
+                                         attention_mask=torch.ones(2, 5, dtype=torch.bool, device=d)), "1-D"),
+    Case("raw-merge_router_topk-cp_layout_2", "merge_router_topk", "cp_layout", ValueError,
+         lambda d: ops.merge_router_topk([torch.zeros(8, 2, dtype=torch.int16, device=d)], _i32([0, 3, 8], d),
+                                         _i32([0, 3, 8], d), 8, 8, 1, 1, 2)),
+    Case("raw-thd_layout-lengths_int64_max", "thd_layout", "lengths", RT,
+         lambda d: ops.thd_layout(_i64([2**63 - 1], "cpu"), 1, 1, 0, False, 37, 16), "int32", devices="cpu"),
+    Case("raw-thd_layout-lengths_uint32", "thd_layout", "lengths", RT,
+         lambda d: ops.thd_layout(torch.tensor([3, 5], dtype=torch.uint32), 1, 1, 0), "uint8, int8", devices="cpu"),
+    Case("raw-jagged_scatter-total_in_2**40", "jagged_scatter", "cannot allocate the output sized by total_in", RT,
+         lambda d: ops.jagged_scatter(torch.zeros(3, 4, device=d), _i64([0], d), _i32([0, 3], d), 2**40)),
     Case("raw-mla_backward_padded-backend_5", "mla_backward_padded", "backend", RT, lambda d: _raw_mla_bwd(d, backend=5)),
     Case("raw-mla_backward_padded-grad_out_shape", "mla_backward_padded", "grad_out", RT,
          lambda d: _raw_mla_bwd(d, grad=torch.zeros(8, 2, 4, dtype=mla_dtype(d), device=d))),
@@ -1099,6 +1137,14 @@ RAW_CASES = [
 @pytest.mark.parametrize("case, device", params(RAW_CASES))
 def test_raw_op_bad_input(case, device):
     check(case, device)
+
+
+def test_raw_thd_layout_info_offsets_beyond_int64():
+    """Offsets whose difference leaves int64 are a bad length (saturated), not undefined arithmetic
+    that lands back in range: INT64_MIN + 4 - INT64_MAX wraps to 5."""
+    for offsets, bad in (([2**63 - 1, -2**63 + 4], -2**63), ([-2**63, 2**63 - 1], 2**63 - 1), ([0, 3, -2**63], -2**63)):
+        _, info = ops.thd_layout_info(_i64(offsets, "cpu"), True)
+        assert info[0].item() == len(offsets) - 2 and info[1].item() == bad, (offsets, info[:2])
 
 
 def test_raw_op_cases_cover_every_op():

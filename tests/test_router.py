@@ -409,13 +409,13 @@ def test_bad_input_record(rng):
     layout = case.layout
     rec = case.recorded(0, 0, "list")
     T = rec[0].shape[0]
-    with pytest.raises(RuntimeError, match=r"router_topk_record: indices hold 1 value\(s\) outside the int16 range"):
+    with pytest.raises(RuntimeError, match=r"merge_router_topk: indices hold 1 value\(s\) outside the int16 range"):
         bad = [t.clone() for t in rec]
         bad[1][0, 2] = 40000
         merge_router_topk(bad, layout)
     with pytest.raises(RuntimeError, match="router_topk_record: indices hold .* outside the int16 range"):
         record_op([torch.full((2, 2), -40000)])
-    with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[1\] has top-k 3 but indices\[0\] has 4"):
+    with pytest.raises(RuntimeError, match=r"merge_router_topk: indices\[1\] has top-k 3 but indices\[0\] has 4"):
         merge_router_topk([rec[0], torch.zeros(T, 3, dtype=torch.long)], layout)
     with pytest.raises(RuntimeError, match=r"router_topk_record: indices\[1\] has \d+ rows but indices\[0\] has"):
         record_op([rec[0], rec[1][:-1]])
@@ -611,3 +611,11 @@ def test_cuda_device_mix_is_a_clear_error(rng):
         OPS.router_topk_scatter(case.routes.to(torch.int16), lay.cu_seqlens, lay.cu_seqlens_padded, lay.local_rows)
     with pytest.raises(ValueError, match="scatter_router_topk: replay_mask is on cpu but the routes are on cuda:0"):
         scatter_router_topk(case.routes.cuda(), lay, replay_mask=case.replay)
+    # merge_router_topk's mask check runs before the kernel's: it must see the device mix too.
+    mask = torch.ones(1, 3, dtype=torch.bool, device="cuda")
+    idx = [torch.zeros(3, 2, dtype=torch.int16, device="cuda")]
+    cu = torch.tensor([0, 3], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="merge_router_topk: cu_seqlens is on cpu but the data is on cuda:0"):
+        OPS.merge_router_topk(idx, cu, cu.cuda(), 3, 3, attention_mask=mask)
+    with pytest.raises(RuntimeError, match="merge_router_topk: attention_mask is on cpu but the data is on cuda:0"):
+        OPS.merge_router_topk(idx, cu.cuda(), cu.cuda(), 3, 3, attention_mask=mask.cpu())

@@ -81,6 +81,8 @@ def test_wheel_installs_in_fresh_venv(tmp_path):
     torch_site = str(Path(torch.__file__).resolve().parents[1])
     py = fresh_venv(tmp_path / "venv", torch_site)
     install_wheel(py, wheel)
-    out = subprocess.run([str(py), "-c", SMOKE], cwd=tmp_path, capture_output=True, text=True)
+    # A fresh environment: no PYTHONPATH of the caller's (which may name this source tree).
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([str(py), "-c", SMOKE], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert out.returncode == 0, out.stdout + out.stderr
     assert "wheel smoke ok" in out.stdout

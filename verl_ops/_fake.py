@@ -47,12 +47,45 @@ def _check_cp_layout(op: str, cp_layout: int) -> None:
 def _check_offsets(op: str, name: str, t: torch.Tensor, like: torch.Tensor) -> None:
     _check(t.dtype == torch.int32, op, f"{name} must be int32, got {t.dtype}")
     _check(t.dim() == 1, op, f"{name} must be 1-D with B + 1 >= 1 entries, got shape {tuple(t.shape)}")
+    torch._check(t.shape[0] >= 1, lambda: f"{op}: {name} must be 1-D with B + 1 >= 1 entries, got shape (0,)")
     _check(t.device == like.device, op, f"{name} is on {t.device} but the data is on {like.device}")
+
+
+def _check_offset_pair(op: str, cu: torch.Tensor, cu_padded: torch.Tensor, like: torch.Tensor) -> None:
+    _check_offsets(op, "cu_seqlens", cu, like)
+    _check_offsets(op, "cu_seqlens_padded", cu_padded, like)
+    torch._check(
+        cu.shape[0] == cu_padded.shape[0],
+        lambda: f"{op}: cu_seqlens and cu_seqlens_padded must have the same length, got {cu.shape[0]} and "
+        f"{cu_padded.shape[0]}",
+    )
+
+
+def _check_size(op: str, sized_by: str, shape, dtype: torch.dtype) -> None:
+    """The output's bytes fit int64, as the kernels' checked products (concrete sizes only; a
+    symbolic size is the kernel's to check). An empty output still needs its strides to fit, as
+    torch computes them (a zero-sized dim counts as 1)."""
+    if any(type(d) is not int for d in shape):
+        return
+    n = 1 if 0 in shape else dtype.itemsize
+    for d in shape:
+        n *= max(d, 1)
+    _check(n <= 2**63 - 1, op, f"the output size overflows int64 (shape {list(shape)} of {dtype}, sized by {sized_by})")
 
 
 def _check_mask(op: str, name: str, mask: torch.Tensor, like: torch.Tensor, like_name: str = "the data is") -> None:
     _check(mask.dtype == torch.bool, op, f"{name} must be bool, got {mask.dtype}")
     _check(mask.device == like.device, op, f"{name} is on {mask.device} but {like_name} on {like.device}")
+
+
+def _check_attention_mask(op: str, mask: torch.Tensor, like: torch.Tensor, cu: torch.Tensor) -> None:
+    """attention_mask: bool [B, S] on the data's device, B from cu_seqlens."""
+    _check_mask(op, "attention_mask", mask, like)
+    _check(mask.dim() == 2, op, f"attention_mask must be [B, S], got shape {tuple(mask.shape)}")
+    torch._check(
+        mask.shape[0] == cu.shape[0] - 1,
+        lambda: f"{op}: attention_mask has {mask.shape[0]} rows but the layout has {cu.shape[0] - 1} sequences",
+    )
 
 
 def _check_layout_args(op, name, x, tp_size, cp_size, cp_layout, min_local_rows, pad_to_length_bucket) -> None:
@@ -64,12 +97,10 @@ def _check_layout_args(op, name, x, tp_size, cp_size, cp_layout, min_local_rows,
         _int_arg(op, "min_local_rows", min_local_rows)
     if pad_to_length_bucket is not None:
         _check(pad_to_length_bucket > 0, op, f"pad_to_length_bucket must be a positive integer, got {pad_to_length_bucket}")
+        _int_arg(op, "pad_to_length_bucket", pad_to_length_bucket, 1)
     _check(x.dim() == 1, op, f"{name} must be 1-D, got shape {tuple(x.shape)}")
-    _check(
-        not x.dtype.is_floating_point and not x.dtype.is_complex and x.dtype != torch.bool,
-        op,
-        f"{name} must be an integer tensor, got {x.dtype}",
-    )
+    _check(x.dtype in _INDEX_DTYPES, op,
+           f"{name} must be an integer tensor (uint8, int8, int16, int32 or int64), got {x.dtype}")
 
 
 @torch.library.register_fake("verl_ops::thd_layout")
@@ -95,8 +126,7 @@ def _thd_layout_info_fake(x, x_is_offsets=False, tp_size=1, cp_size=1, cp_layout
 def _thd_common(op, data, cu, cu_padded, cp_size, cp_rank, cp_layout):
     _check_cp_layout(op, cp_layout)
     _check_cp(op, cp_size, cp_rank, allow_all=True)
-    _check_offsets(op, "cu_seqlens", cu, data)
-    _check_offsets(op, "cu_seqlens_padded", cu_padded, data)
+    _check_offset_pair(op, cu, cu_padded, data)
 
 
 @torch.library.register_fake("verl_ops::preprocess_thd")
@@ -107,10 +137,19 @@ def _preprocess_thd_fake(values, cu_seqlens, cu_seqlens_padded, local_rows, cp_s
     torch._check(local_rows >= 0, lambda: f"{op}: local_rows must be >= 0, got {local_rows}")
     skip = 2 if attention_mask is not None else 1
     _check(values.dim() >= skip, op, f"values has too few dimensions: {tuple(values.shape)}")
+    if cp_rank < 0 and type(local_rows) is int:
+        _check(cp_size * local_rows <= 2**63 - 1, op,
+               f"cp_size * local_rows overflows int64 ({cp_size} * {local_rows})")
     if attention_mask is not None:
-        _check_mask(op, "attention_mask", attention_mask, values)
-        _check(attention_mask.dim() == 2, op, f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}")
+        _check_attention_mask(op, attention_mask, values, cu_seqlens)
+        torch._check(
+            values.shape[0] == attention_mask.shape[0] and values.shape[1] == attention_mask.shape[1],
+            lambda: f"{op}: padded input must be [B, S, *F] matching attention_mask "
+            f"{list(attention_mask.shape)}, got {list(values.shape)}",
+        )
     lead = (cp_size, local_rows) if cp_rank < 0 else (local_rows,)
+    _check_size(op, "local_rows", lead + tuple(values.shape[skip:]), values.dtype)
+    _check_size(op, "local_rows", lead, torch.int64)  # positions
     packed = values.new_empty(lead + tuple(values.shape[skip:]))
     positions = values.new_empty(lead, dtype=torch.int64)
     return packed, positions
@@ -123,17 +162,22 @@ def _postprocess_thd_fake(packed, cu_seqlens, cu_seqlens_padded, total_tokens, c
     _thd_common(op, packed, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, cp_layout)
     skip = 2 if cp_rank < 0 else 1
     _check(packed.dim() >= skip, op, f"packed has too few dimensions: {tuple(packed.shape)}")
+    if cp_rank < 0:
+        torch._check(packed.shape[0] == cp_size,
+                     lambda: f"{op}: packed holds {packed.shape[0]} shards but cp_size is {cp_size}")
     if attention_mask is not None:
-        _check_mask(op, "attention_mask", attention_mask, packed)
-        _check(attention_mask.dim() == 2, op, f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}")
+        _check_attention_mask(op, attention_mask, packed, cu_seqlens)
         lead = tuple(attention_mask.shape)
+        sized_by = "attention_mask"
     else:
         torch._check(total_tokens >= 0, lambda: f"{op}: total_tokens must be >= 0, got {total_tokens}")
         lead = (total_tokens,)
+        sized_by = "total_tokens"
+    _check_size(op, sized_by, lead + tuple(packed.shape[skip:]), packed.dtype)
     return packed.new_empty(lead + tuple(packed.shape[skip:]))
 
 
-def _jagged_fake(op, data_name, values, src_starts, cu_out, rows):
+def _jagged_fake(op, data_name, values, src_starts, cu_out, rows, rows_name):
     _check(values.dim() >= 1, op, f"{data_name} must be [rows, *F], got a 0-d tensor")
     _check(src_starts.dtype == torch.int64, op, f"src_starts must be int64, got {src_starts.dtype}")
     _check(src_starts.dim() == 1, op, f"src_starts must be 1-D, got {src_starts.dim()} dims")
@@ -145,18 +189,19 @@ def _jagged_fake(op, data_name, values, src_starts, cu_out, rows):
     )
     _check(src_starts.device == values.device, op, f"src_starts is on {src_starts.device} but {data_name} is on {values.device}")
     _check(cu_out.device == values.device, op, f"cu_seqlens_out is on {cu_out.device} but {data_name} is on {values.device}")
-    torch._check(rows >= 0, lambda: f"{op}: total must be >= 0, got {rows}")
+    torch._check(rows >= 0, lambda: f"{op}: {rows_name} must be >= 0, got {rows}")
+    _check_size(op, rows_name, (rows,) + tuple(values.shape[1:]), values.dtype)
     return values.new_empty((rows,) + tuple(values.shape[1:]))
 
 
 @torch.library.register_fake("verl_ops::jagged_gather")
 def _jagged_gather_fake(values, src_starts, cu_seqlens_out, total_out):
-    return _jagged_fake("jagged_gather", "values", values, src_starts, cu_seqlens_out, total_out)
+    return _jagged_fake("jagged_gather", "values", values, src_starts, cu_seqlens_out, total_out, "total_out")
 
 
 @torch.library.register_fake("verl_ops::jagged_scatter")
 def _jagged_scatter_fake(grad, src_starts, cu_seqlens_out, total_in):
-    return _jagged_fake("jagged_scatter", "grad", grad, src_starts, cu_seqlens_out, total_in)
+    return _jagged_fake("jagged_scatter", "grad", grad, src_starts, cu_seqlens_out, total_in, "total_in")
 
 
 @torch.library.register_fake("verl_ops::dynamic_cp_merge_header")
@@ -186,12 +231,13 @@ def _merge_index_fake(header, num_samples, validate=True):
 
 
 @torch.library.register_fake("verl_ops::router_topk_record")
-def _router_topk_record_fake(indices, cu_seqlens=None, cu_seqlens_padded=None, total_tokens=0, attention_mask=None):
-    op = "router_topk_record"
+def _router_topk_record_fake(indices, cu_seqlens=None, cu_seqlens_padded=None, total_tokens=0, attention_mask=None,
+                             op="router_topk_record"):
     _check(indices.dtype in _INDEX_DTYPES, op,
            f"indices must be an integer tensor (uint8, int8, int16, int32 or int64), got {indices.dtype}")
     _check(indices.dim() == 3, op, f"indices must be [L, T_local_sp, K], got shape {tuple(indices.shape)}")
     num_layers, rows, topk = indices.shape
+    torch._check(num_layers >= 1, lambda: f"{op}: indices must hold at least one layer")
     fused = cu_seqlens is not None or cu_seqlens_padded is not None
     _check(
         fused == (cu_seqlens is not None and cu_seqlens_padded is not None),
@@ -202,15 +248,31 @@ def _router_topk_record_fake(indices, cu_seqlens=None, cu_seqlens_padded=None, t
         _check(attention_mask is None, op, "attention_mask needs cu_seqlens and cu_seqlens_padded")
         shape = (rows, num_layers, topk)
     else:
-        _check_offsets(op, "cu_seqlens", cu_seqlens, indices)
-        _check_offsets(op, "cu_seqlens_padded", cu_seqlens_padded, indices)
+        _check_offset_pair(op, cu_seqlens, cu_seqlens_padded, indices)
         if attention_mask is not None:
-            _check_mask(op, "attention_mask", attention_mask, indices)
-            _check(attention_mask.dim() == 2, op, f"attention_mask must be [B, S], got shape {tuple(attention_mask.shape)}")
+            _check_attention_mask(op, attention_mask, indices, cu_seqlens)
             shape = tuple(attention_mask.shape) + (num_layers, topk)
         else:
+            torch._check(total_tokens >= 0, lambda: f"{op}: total_tokens must be >= 0, got {total_tokens}")
             shape = (total_tokens, num_layers, topk)
+    _check_size(op, "total_tokens / attention_mask", shape, torch.int16)
     return indices.new_empty(shape, dtype=torch.int16), indices.new_empty((_OVERFLOW_SLOTS,), dtype=torch.int32)
+
+
+def stack_layers_fake(op: str, indices) -> torch.Tensor:
+    """A list of L [T, K] layers (same dtype, device and shape) as one [L, T, K] fake tensor."""
+    _check(len(indices) >= 1, op, "indices must hold at least one layer, got an empty list")
+    first = indices[0]
+    _check(first.dim() == 2, op, f"indices[0] must be [T_local_sp, K], got shape {tuple(first.shape)}")
+    for i, t in enumerate(indices):
+        _check(t.dim() == 2, op, f"indices[{i}] must be [T_local_sp, K], got shape {tuple(t.shape)}")
+        _check(t.dtype == first.dtype, op, f"indices[{i}] is {t.dtype} but indices[0] is {first.dtype}")
+        _check(t.device == first.device, op, f"indices[{i}] is on {t.device} but indices[0] is on {first.device}")
+        torch._check(t.shape[1] == first.shape[1], lambda i=i, t=t: f"{op}: indices[{i}] has top-k {t.shape[1]} "
+                     f"but indices[0] has {first.shape[1]}; K must be the same in every layer")
+        torch._check(t.shape[0] == first.shape[0], lambda i=i, t=t: f"{op}: indices[{i}] has {t.shape[0]} rows "
+                     f"but indices[0] has {first.shape[0]}; every layer records the same tokens")
+    return first.new_empty((len(indices),) + tuple(first.shape))
 
 
 if hasattr(torch.ops.verl_ops, "router_topk_record_layers"):
@@ -219,15 +281,8 @@ if hasattr(torch.ops.verl_ops, "router_topk_record_layers"):
     def _router_topk_record_layers_fake(indices, cu_seqlens=None, cu_seqlens_padded=None, total_tokens=0,
                                         attention_mask=None):
         op = "router_topk_record"
-        _check(len(indices) >= 1, op, "indices must hold at least one layer, got an empty list")
-        first = indices[0]
-        _check(first.dim() == 2, op, f"indices[0] must be [T_local_sp, K], got shape {tuple(first.shape)}")
-        for i, t in enumerate(indices):
-            _check(t.dim() == 2, op, f"indices[{i}] must be [T_local_sp, K], got shape {tuple(t.shape)}")
-            _check(t.dtype == first.dtype, op, f"indices[{i}] is {t.dtype} but indices[0] is {first.dtype}")
-            _check(t.device == first.device, op, f"indices[{i}] is on {t.device} but indices[0] is on {first.device}")
-        stacked = first.new_empty((len(indices),) + tuple(first.shape))
-        return _router_topk_record_fake(stacked, cu_seqlens, cu_seqlens_padded, total_tokens, attention_mask)
+        return _router_topk_record_fake(stack_layers_fake(op, indices), cu_seqlens, cu_seqlens_padded, total_tokens,
+                                        attention_mask)
 
 
 @torch.library.register_fake("verl_ops::router_topk_scatter")
@@ -247,14 +302,36 @@ def _router_topk_scatter_fake(routes, cu_seqlens, cu_seqlens_padded, local_rows,
         "routes must be " + ("[B, S, L, K] (with attention_mask)" if padded else "[total_tokens, L, K]")
         + f", got shape {tuple(routes.shape)}",
     )
-    _check_offsets(op, "cu_seqlens", cu_seqlens, routes)
-    _check_offsets(op, "cu_seqlens_padded", cu_seqlens_padded, routes)
+    _check_offset_pair(op, cu_seqlens, cu_seqlens_padded, routes)
     if attention_mask is not None:
-        _check_mask(op, "attention_mask", attention_mask, routes)
+        _check(attention_mask.dim() == 2, op, f"padded routes {list(routes.shape)} must be [B, S, L, K] matching "
+               f"attention_mask {list(attention_mask.shape)}")
+        torch._check(
+            routes.shape[0] == attention_mask.shape[0] and routes.shape[1] == attention_mask.shape[1],
+            lambda: f"{op}: padded routes {list(routes.shape)} must be [B, S, L, K] matching attention_mask "
+            f"{list(attention_mask.shape)}",
+        )
+        _check_attention_mask(op, attention_mask, routes, cu_seqlens)
     if replay_mask is not None:
         _check_mask(op, "replay_mask", replay_mask, routes, "routes are")
+        lead = routes.shape[:2] if padded else routes.shape[:1]
+        _check(replay_mask.dim() == len(lead), op, f"replay_mask must be "
+               + ("[B, S] like attention_mask" if padded else "[total_tokens] like the routes' rows")
+               + f", got shape {tuple(replay_mask.shape)}")
+        torch._check(
+            all(a == b for a, b in zip(replay_mask.shape, lead)),
+            lambda: f"{op}: replay_mask must be "
+            + ("[B, S] like attention_mask" if padded else "[total_tokens] like the routes' rows")
+            + f", got shape {tuple(replay_mask.shape)}",
+        )
     torch._check(local_rows >= 0, lambda: f"{op}: local_rows must be >= 0, got {local_rows}")
+    if type(local_rows) is int:
+        _check(cp_size * local_rows <= 2**63 - 1, op,
+               f"cp_size * local_rows overflows int64 ({cp_size} * {local_rows})")
+    torch._check(local_rows % tp_size == 0, lambda: f"{op}: local_rows={local_rows} is not divisible by "
+                 f"tp_size={tp_size}; the sequence-parallel split needs equal chunks")
     rows = local_rows // tp_size
+    _check_size(op, "local_rows", (routes.shape[-2], rows, routes.shape[-1]), torch.int64)
     targets = routes.new_empty((routes.shape[-2], rows, routes.shape[-1]), dtype=torch.int64)
     replay = routes.new_empty((rows,) if replay_mask is not None else (0,), dtype=torch.bool)
     return targets, replay

@@ -626,6 +626,10 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
             raise _CallerRejected()
         if isinstance(B, bool) or not isinstance(B, int) or not 0 <= B <= INT32_MAX:
             raise ValueError(f"{op}: num_samples must be an int >= 0, got {B!r}")
+        if groups is None and local_cp_size != 1:
+            raise ValueError(
+                f"{op}: local_cp_size must be 1 without a process group (dp_size = 1), got {local_cp_size!r}"
+            )
         check_merge_entries(op, lengths, sample_ids, B)
         if values.dim() < 1:
             raise ValueError(f"{op}: values must be [rows, *F], got a 0-d tensor")
@@ -633,7 +637,10 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     except Exception as e:  # every rank still joins the exchange below; re-raised after it
         error = e
     if local is None:
-        local = torch.zeros(M + 2 * max(B, 0) if isinstance(B, int) else M, dtype=torch.int64, device=device)
+        # The header's width where num_samples is valid (every rank's row has one width), else the
+        # meta words alone: the status goes out without allocating for an unusable num_samples.
+        valid_b = isinstance(B, int) and not isinstance(B, bool) and 0 <= B <= INT32_MAX
+        local = torch.zeros(M + 2 * B if valid_b else M, dtype=torch.int64, device=device)
         local[_MERGE_STATUS] = 1
     if G > 1:
         dist = _dist()
@@ -674,7 +681,10 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     if row_bytes == 0 or total == 0:
         return values.new_zeros((total, *feat)), merged_lengths
     max_total = max(r[_MERGE_ROWS] for r in rows)
-    local_bytes = values.detach().contiguous().view(values.shape[0], math.prod(feat)).view(torch.uint8)
+    local_rows = values.detach().contiguous().view(values.shape[0], math.prod(feat))
+    if local_rows.stride(-1) != 1:  # a one-element view keeps its stride: make it dense for the byte view
+        local_rows = local_rows.clone(memory_format=torch.contiguous_format)
+    local_bytes = local_rows.view(torch.uint8)
     if G > 1:
         local_bytes = local_bytes.to(device)
         if local_bytes.shape[0] == max_total:
@@ -706,6 +716,8 @@ def _concrete(t: torch.Tensor) -> bool:
 def _split_fake(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, assignment=0, validate=True,
                 rank_error=False):
     op = "dynamic_cp_split"
+    if not isinstance(assignment, int) or not 0 <= assignment < len(ASSIGNMENTS):
+        raise ValueError(f"{op}: assignment must be 0 (contiguous) or 1 (balanced), got {assignment!r}")
     if _concrete(lengths):
         # Host lengths (e.g. meta values for shape inference): the plan, hence every size, is known.
         groups = _groups_of(op, group_name)

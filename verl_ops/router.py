@@ -43,7 +43,7 @@ from __future__ import annotations
 import torch
 
 from ._thd import _as_nested, _check_mask, _check_mask_lengths, _nested_values, _offsets_on, _should_validate
-from . import _library
+from . import _fake, _library
 from .layout import ThdLayout
 
 _ops = torch.ops.verl_ops
@@ -85,7 +85,7 @@ def _layer_list(op: str, indices):
     first = indices[0]
     if _library.HAS_LAYERS:  # router_topk_record_layers checks dtypes, devices and sizes itself
         return list(indices), len(indices), first.shape[0], first.shape[1], first.device
-    rec = "router_topk_record"  # the same checks and words as router_topk_record_layers
+    rec = op  # the same checks and words as router_topk_record_layers
     for i, t in enumerate(indices):
         if t.dtype != first.dtype:
             raise RuntimeError(
@@ -107,11 +107,18 @@ def _layer_list(op: str, indices):
     return torch.stack(list(indices)), len(indices), first.shape[0], first.shape[1], first.device
 
 
-def _record(layers, *args):
-    """router_topk_record on one [L, T, K] tensor, or on a list of [T, K] read in place."""
-    if isinstance(layers, list):
-        return _ops.router_topk_record_layers(layers, *args)
-    return _ops.router_topk_record(layers, *args)
+def _record(layers, *args, op: str = "router_topk_record"):
+    """router_topk_record on one [L, T, K] tensor, or on a list of [T, K] read in place; its
+    errors name ``op`` (the op the caller called)."""
+    try:
+        if isinstance(layers, list):
+            return _ops.router_topk_record_layers(layers, *args)
+        return _ops.router_topk_record(layers, *args)
+    except RuntimeError as e:
+        msg = str(e)
+        if op == "router_topk_record" or not msg.startswith("router_topk_record: "):
+            raise
+        raise RuntimeError(op + msg[len("router_topk_record") :]) from None
 
 
 def _rows_per_tp_rank(op: str, layout: ThdLayout) -> int:
@@ -235,8 +242,18 @@ def _agree(op: str, fp: torch.Tensor, groups, overflow, error) -> None:
         )
 
 
-def _check_mask_counts(op: str, mask: torch.Tensor, cu: torch.Tensor) -> None:
-    """Every row of attention_mask holds as many valid tokens as the layout's sequence (one read)."""
+def _check_mask_counts(op: str, mask: torch.Tensor, cu: torch.Tensor, device: torch.device) -> None:
+    """Every row of attention_mask holds as many valid tokens as the layout's sequence (one read).
+    The shapes first, in the kernels' words, so that a bad cu_seqlens is not blamed on the mask."""
+    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
+        raise RuntimeError(
+            f"{op}: cu_seqlens must be 1-D int32 with B + 1 >= 1 entries, got {cu.dtype} {tuple(cu.shape)}"
+        )
+    if mask.dtype != torch.bool or mask.dim() != 2:
+        raise ValueError(f"{op}: attention_mask must be a bool [B, S] tensor, got {mask.dtype} {tuple(mask.shape)}")
+    for name, t in (("cu_seqlens", cu), ("attention_mask", mask)):
+        if t.device != device:
+            raise RuntimeError(f"{op}: {name} is on {t.device} but the data is on {device}")
     counts = mask.sum(dim=1)
     expected = (cu[1:] - cu[:-1]).to(device=counts.device, dtype=counts.dtype)
     if counts.shape != expected.shape:
@@ -270,6 +287,8 @@ def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_
                 f"{op}: local_rows={local_rows} is not divisible by tp_size={tp}; "
                 "Megatron's sequence-parallel split needs equal chunks"
             )
+        if cp == 1 and cp_layout not in (0, 1):  # unused without CP, but the contract is the same
+            raise ValueError(f"{op}: cp_layout must be 0 (zigzag) or 1 (contiguous), got {cp_layout}")
         rows_sp = local_rows // tp
         if rows != rows_sp:
             raise ValueError(
@@ -277,9 +296,9 @@ def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_
                 f"local_rows / tp_size = {local_rows} / {tp} = {rows_sp}"
             )
         if attention_mask is not None and validate and attention_mask.device.type != "meta":
-            _check_mask_counts(op, attention_mask, cu)
+            _check_mask_counts(op, attention_mask, cu, device)
         if multi:
-            local, overflow = _record(layer_list)
+            local, overflow = _record(layer_list, op=op)
     except Exception as e:  # every rank still joins the exchange below; re-raised after it
         if not exchange:
             if isinstance(e, _CallerRejected):
@@ -293,7 +312,7 @@ def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_
               else torch.zeros(8, dtype=torch.int64, device=dev))
         _agree(op, fp, [g for g, size in ((tp_group, tp), (cp_group, cp)) if size > 1], overflow, error)
     if not multi:
-        routes, overflow = _record(layer_list, cu, cu_padded, total_tokens, attention_mask)
+        routes, overflow = _record(layer_list, cu, cu_padded, total_tokens, attention_mask, op=op)
         if validate and overflow.is_cuda and bool(overflow.any()):
             raise RuntimeError(
                 f"{op}: indices hold values outside the int16 range [-32768, 32767]; router replay stores "
@@ -321,14 +340,17 @@ for _key in ("CPU", "CUDA"):
 @torch.library.register_fake("verl_ops::merge_router_topk")
 def _merge_fake(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_size=1, cp_layout=0,
                 tp_group_name=None, cp_group_name=None, attention_mask=None, validate=True, rank_error=False):
-    first = indices[0]
-    if len(indices) == 1 and first.dim() == 3:
-        num_layers, topk = first.shape[0], first.shape[2]
-    else:
-        num_layers, topk = len(indices), first.shape[1]
-    if attention_mask is not None:
-        return first.new_empty((attention_mask.shape[0], attention_mask.shape[1], num_layers, topk), dtype=torch.int16)
-    return first.new_empty((total_tokens, num_layers, topk), dtype=torch.int16)
+    op = "merge_router_topk"
+    stacked = indices[0] if len(indices) == 1 and indices[0].dim() == 3 else _fake.stack_layers_fake(op, indices)
+    _fake._int_arg(op, "tp_size", tp_size, 1)
+    _fake._int_arg(op, "cp_size", cp_size, 1)
+    _fake._check_cp_layout(op, cp_layout)
+    torch._check(local_rows % tp_size == 0, lambda: f"{op}: local_rows={local_rows} is not divisible by "
+                 f"tp_size={tp_size}; Megatron's sequence-parallel split needs equal chunks")
+    torch._check(stacked.shape[1] == local_rows // tp_size, lambda: f"{op}: indices hold {stacked.shape[1]} rows per "
+                 f"layer but the layout gives this rank local_rows / tp_size = {local_rows} / {tp_size}")
+    routes, _ = _fake._router_topk_record_fake(stacked, cu, cu_padded, total_tokens, attention_mask, op=op)
+    return routes
 
 
 def _group_name(group):

@@ -96,8 +96,8 @@ JaggedCall prepare_jagged(const char* op, const Tensor& values, const Tensor& sr
   shape[0] = total;
   call.row_bytes = st::row_bytes(op, values, 1);
   st::checked_mul(op, "the output size", total, call.row_bytes);
-  call.out = scatter ? st::zeros(values, shape, values.scalar_type())
-                     : st::empty(values, shape, values.scalar_type());
+  call.out = st::output(op, scatter ? "total_in" : "total_out", values, shape, values.scalar_type(),
+                        /*zero=*/scatter);
   call.plan.src_starts = st::ptr<int64_t>(call.src_starts);
   call.plan.cu_out = st::ptr<int32_t>(call.cu_out);
   call.plan.num_out_seqs = n;

@@ -40,7 +40,8 @@ HeaderCall prepare_merge_header(const Tensor& lengths, const Tensor& sample_ids,
              ") must have one entry per output sequence, at most num_samples=", num_samples);
   VERL_CHECK(st::same_device(lengths, sample_ids), op, ": sample_ids is on ", st::device_of(sample_ids),
              " but lengths is on ", st::device_of(lengths));
-  HeaderCall call{st::empty(lengths, {core::kMergeMeta + 2 * num_samples}, st::kLong), st::contiguous(lengths),
+  HeaderCall call{st::output(op, "num_samples", lengths, {core::kMergeMeta + 2 * num_samples}, st::kLong),
+                  st::contiguous(lengths),
                   st::contiguous(sample_ids), {}};
   const int64_t meta[core::kMergeMeta] = {lengths.size(0), rows,        dtype_hash,  feature_hash, row_bytes,
                                           key_hash,        num_samples, local_cp_size, 0};
@@ -58,7 +59,8 @@ std::tuple<Tensor, Tensor> prepare_merge_index(const Tensor& header, int64_t num
              core::kMergeMeta + 2 * num_samples, "], got ", st::dtype_name(header.scalar_type()), " ",
              st::shape_of(header));
   const core::MergeIndexLayout L(header.size(0), num_samples);
-  return {st::empty(header, {L.size}, st::kLong), st::empty(header, {num_samples + 1}, st::kInt)};
+  return {st::output(op, "num_samples", header, {L.size}, st::kLong),
+          st::output(op, "num_samples", header, {num_samples + 1}, st::kInt)};
 }
 
 Tensor merge_header_cpu(const Tensor& lengths, const Tensor& sample_ids, int64_t num_samples, int64_t rows,

@@ -177,7 +177,7 @@ RouterRecordCall prepare_router_record(const RecordLayers& layers, const std::op
   }
   st::checked_mul(op, "the output size", st::checked_mul(op, "the output size", call.out_rows, num_layers),
                   layers.topk * 2);
-  call.routes = st::empty(first, out_shape, st::kShort);
+  call.routes = st::output(op, "total_tokens / attention_mask", first, out_shape, st::kShort);
   // CPU raises on overflow and leaves this zero; the CUDA kernel writes every slot itself.
   call.overflow = first.is_cpu() ? st::zeros(first, {core::kOverflowSlots}, st::kInt)
                                  : st::empty(first, {core::kOverflowSlots}, st::kInt);
@@ -261,8 +261,9 @@ RouterScatterCall prepare_router_scatter(const Tensor& routes, const Tensor& cu_
   call.rows = local_rows / tp_size;
   st::checked_mul(op, "the output size", st::checked_mul(op, "the output size", call.rows, call.num_layers),
                   call.topk * 8);
-  call.targets = st::empty(routes, {call.num_layers, call.rows, call.topk}, st::kLong);
-  call.replay_out = st::empty(routes, {replay_mask.has_value() ? call.rows : 0}, st::kBool);
+  call.targets = st::output(op, "local_rows", routes, {call.num_layers, call.rows, call.topk}, st::kLong);
+  call.replay_out =
+      st::output(op, "local_rows", routes, {replay_mask.has_value() ? call.rows : 0}, st::kBool);
 
   core::PackPlan& p = call.plan.pack;
   p.cu_seqlens = st::ptr<int32_t>(call.cu);

@@ -210,6 +210,24 @@ inline Tensor zeros(const Tensor& like, const std::vector<int64_t>& sizes, Scala
   return torch::stable::new_zeros(like, sizes, dtype);
 }
 
+// An op's output, whose sizes come from the caller's arguments (`sized_by` names them): an
+// allocation the allocator refuses (too large, or out of memory) is an error that names the op, the
+// argument and the shape, not the shim's "API call failed" text.
+inline Tensor output(const char* op, const char* sized_by, const Tensor& like, const std::vector<int64_t>& sizes,
+                     ScalarType dtype, bool zero = false) {
+  try {
+    return zero ? zeros(like, sizes, dtype) : empty(like, sizes, dtype);
+  } catch (const std::exception&) {
+    std::ostringstream shape;
+    shape << "[";
+    for (size_t i = 0; i < sizes.size(); ++i) shape << (i ? ", " : "") << sizes[i];
+    shape << "]";
+    fail(op, ": cannot allocate the output sized by ", sized_by, " (shape ", shape.str(), ", ", dtype_name(dtype),
+         ") on ",
+         like.is_cpu() ? "the CPU" : "the GPU", ": out of memory, or larger than the allocator allows");
+  }
+}
+
 // dst <- src (same shape; dtype converted).
 inline void copy_into(const Tensor& dst, const Tensor& src) {
   TORCH_ERROR_CODE_CHECK(aoti_torch_copy_(dst.get(), src.get(), /*non_blocking=*/0));

@@ -91,8 +91,8 @@ core::ShardSpec make_spec(const Tensor& cu, int64_t local_rows, int64_t cp_size,
 Tensor host_int64(const char* op, const char* name, const Tensor& x) {
   VERL_CHECK(x.is_cpu(), op, ": ", name, " must be a CPU tensor, got ", st::device_of(x));
   VERL_CHECK(x.dim() == 1, op, ": ", name, " must be 1-D, got shape ", st::shape_of(x));
-  VERL_CHECK(st::is_integral(x.scalar_type()), op, ": ", name, " must be an integer tensor, got ",
-             st::dtype_name(x.scalar_type()));
+  VERL_CHECK(st::is_integral(x.scalar_type()), op, ": ", name,
+             " must be an integer tensor (uint8, int8, int16, int32 or int64), got ", st::dtype_name(x.scalar_type()));
   return st::contiguous(st::to_dtype(x, st::kLong));
 }
 
@@ -103,6 +103,8 @@ std::vector<int64_t> host_lengths(const char* op, const Tensor& lengths) {
   std::vector<int64_t> out(l, l + l64.size(0));
   for (size_t i = 0; i < out.size(); ++i) {
     VERL_CHECK(out[i] >= 0, op, ": lengths must be >= 0, got ", out[i], " at index ", i);
+    VERL_CHECK(out[i] <= INT32_MAX, op, ": lengths must be <= ", INT32_MAX, " (the offsets are int32), got ",
+               out[i], " at index ", i);
   }
   return out;
 }
@@ -205,7 +207,9 @@ std::tuple<Tensor, Tensor> thd_layout_info(const Tensor& x, bool x_is_offsets, i
   inf[0] = -1;
   inf[1] = 0;
   for (int64_t i = 0; i < B; ++i) {
-    const int64_t n = x_is_offsets ? v[i + 1] - v[i] : v[i];
+    int64_t n = v[i];
+    // Offsets far apart: a difference beyond int64 is out of range either way (saturated).
+    if (x_is_offsets && __builtin_sub_overflow(v[i + 1], v[i], &n)) n = v[i + 1] > v[i] ? INT64_MAX : INT64_MIN;
     l[i] = n;
     if (inf[0] < 0 && (n < 0 || n > INT32_MAX)) {
       inf[0] = i;
@@ -265,9 +269,9 @@ PackCall prepare_pack(const Tensor& values, const Tensor& cu_seqlens,
   for (int64_t d = skip; d < values.dim(); ++d) out_shape.push_back(values.size(d));
   call.row_bytes = st::row_bytes(op, values, skip);
   st::checked_mul(op, "the output size (local_rows rows)", call.out_rows, call.row_bytes);
-  call.packed = st::empty(values, out_shape, values.scalar_type());
-  call.positions = st::empty(
-      values, std::vector<int64_t>(out_shape.begin(), out_shape.begin() + (cp_rank < 0 ? 2 : 1)), st::kLong);
+  call.packed = st::output(op, "local_rows", values, out_shape, values.scalar_type());
+  call.positions = st::output(
+      op, "local_rows", values, std::vector<int64_t>(out_shape.begin(), out_shape.begin() + (cp_rank < 0 ? 2 : 1)), st::kLong);
 
   call.plan.cu_seqlens = st::ptr<int32_t>(call.cu);
   call.plan.cu_seqlens_padded = st::ptr<int32_t>(call.cu_padded);
@@ -330,7 +334,8 @@ UnpackCall prepare_unpack(const Tensor& packed, const Tensor& cu_seqlens,
   call.row_bytes = st::row_bytes(op, packed, skip);
   call.out_rows = padded_output ? st::checked_mul(op, "B * S", out_shape[0], out_shape[1]) : total_tokens;
   st::checked_mul(op, "the output size", call.out_rows, call.row_bytes);
-  call.out = st::empty(packed, out_shape, packed.scalar_type());
+  call.out =
+      st::output(op, padded_output ? "attention_mask" : "total_tokens", packed, out_shape, packed.scalar_type());
 
   call.plan.cu_seqlens = st::ptr<int32_t>(call.cu);
   call.plan.cu_seqlens_padded = st::ptr<int32_t>(call.cu_padded);

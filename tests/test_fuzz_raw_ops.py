@@ -1,11 +1,9 @@
 #!/usr/bin/env python
 """Seeded random fuzzer over the raw ops (``torch.ops.verl_ops.<name>.default``).
 
-Not collected by pytest yet (the file name has no ``test_`` prefix): it still reports findings
-(Meta kernels that accept what the CPU kernels reject or fail with messages that do not name the
-op, and missing or misattributed checks in the ops; see the project notes of 2026-11-24). Once
-those are fixed it becomes tests/test_fuzz_raw_ops.py, and its pytest functions below run in CI.
-Run it with ``python tests/fuzz_raw_ops.py --device cpu --cases 2000 --seed 1``.
+Its pytest functions run a fixed seed range on the CPU (and on CUDA where a GPU is present) and
+fail on any finding. Run more cases with ``python tests/test_fuzz_raw_ops.py --device cpu --cases
+20000 --seed S``.
 
 The project standard it checks: bad input gets a clear error naming the op and the argument;
 nothing crashes, hangs or writes out of bounds; nothing in a user's batch is silently lost or
@@ -47,8 +45,8 @@ for the same arguments on the meta device.
 
 Crash isolation: the cases run in child processes (``--worker``); a crash or hang is reported with
 its seed, and the run goes on after it. Reproduce one case with
-``python tests/fuzz_raw_ops.py --device cpu --seed S --cases 1 --inprocess -v``.
-Standalone: ``python tests/fuzz_raw_ops.py --device cpu|cuda --cases N --seed S`` prints a
+``python tests/test_fuzz_raw_ops.py --device cpu --seed S --cases 1 --inprocess -v``.
+Standalone: ``python tests/test_fuzz_raw_ops.py --device cpu|cuda --cases N --seed S`` prints a
 summary and exits non-zero on any finding (``--inprocess`` runs without child processes, e.g.
 under ``compute-sanitizer`` or ``valgrind``).
 """
