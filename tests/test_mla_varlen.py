@@ -551,6 +551,41 @@ def test_cuda_bad_input():
 
 @gpu
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", [1, 3], ids=["padded", "varlen"])
+@pytest.mark.parametrize("bad", ["past_end", "negative", "huge", "decreasing"])
+def test_cuda_bad_device_offsets_stay_in_bounds(backend, bad):
+    """The raw op reads device offsets without a host check (the Python API checks them only with
+    validate=True): offsets past the rows, negative, huge or decreasing give unspecified values,
+    but no kernel reads or writes outside q, k, v or the outputs (compute-sanitizer memcheck runs
+    the MLA GPU tests), and the CUDA context stays usable: a valid call afterwards gives what it
+    gave before."""
+    if backend == 3 and not VARLEN_BUILT:
+        pytest.skip("needs a build with the varlen backend")
+    c = make_case([100, 37, 200], device="cuda")
+    T = 337
+    offsets = {
+        "past_end": [0, 100, 137, T + 5000],
+        "negative": [-5000, 100, 137, T],
+        "huge": [0, 2**31 - 1, 2**31 - 1, 2**31 - 1],
+        "decreasing": [0, 300, 137, T],
+    }[bad]
+    q, k, v = c["q"], c["k"], c["v"]
+    good = [OPS.mla_forward_padded(q, k, v, c["cu_q"], c["cu_kv"], 200, 200, causal, None, backend)[0].clone()
+            for causal in (True, False)]
+    cu = torch.tensor(offsets, dtype=torch.int32, device="cuda")
+    for causal in (True, False):
+        out, lse = OPS.mla_forward_padded(q, k, v, cu, cu, 200, 200, causal, None, backend)
+        grads = OPS.mla_backward_padded(torch.ones_like(out), q, k, v, out, lse, cu, cu, 200, 200, causal, None,
+                                        backend)
+        assert out.shape == (T, 4, 128) and [tuple(g.shape) for g in grads] == [(T, 4, 192), (T, 4, 192), (T, 4, 128)]
+    torch.cuda.synchronize()
+    for causal, want in zip((True, False), good):
+        assert torch.equal(OPS.mla_forward_padded(q, k, v, c["cu_q"], c["cu_kv"], 200, 200, causal, None, backend)[0],
+                           want)
+
+
+@gpu
+@pytest.mark.gpu
 @needs_varlen
 @pytest.mark.skipif(not HOPPER, reason="auto picks varlen on Hopper only")
 def test_cuda_auto_and_megatron_route_ragged_batches_to_varlen(monkeypatch):

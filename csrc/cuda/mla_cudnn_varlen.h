@@ -103,11 +103,12 @@ constexpr int64_t kLargestFirstMaxBatch = 1024;
 VarlenOrder varlen_order();
 
 // Fills the metadata from the int32 offsets cu_seqlens_q / cu_seqlens_kv [batch + 1], on the
-// device (one launch; no host read of the lengths).
+// device (one launch; no host read of the lengths). Every sequence is clamped into the tq query
+// and tk key rows, so bad offsets never send cuDNN outside the tensors.
 cudaError_t launch_varlen_metadata(const int32_t* cu_q, const int32_t* cu_kv, int64_t batch,
-                                   int64_t batch_bucket, int64_t hq, int64_t hk, int64_t dqk,
-                                   int64_t dv, const VarlenMetadata& m, VarlenOrder order,
-                                   cudaStream_t stream);
+                                   int64_t batch_bucket, int64_t tq, int64_t tk, int64_t hq,
+                                   int64_t hk, int64_t dqk, int64_t dv, const VarlenMetadata& m,
+                                   VarlenOrder order, cudaStream_t stream);
 
 // Rows that attend to nothing get the values of the other backends, whatever cuDNN leaves there:
 // forward: a query that sees no key (its sequence has no keys, or causal with lq > lk: queries

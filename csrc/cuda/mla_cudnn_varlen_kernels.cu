@@ -36,23 +36,34 @@ __device__ __forceinline__ void write_slot(const VarlenMetadata& m, int64_t slot
   }
 }
 
-// Sequence b's length from offsets cu; decreasing offsets (bad input, checked only with
-// validate=True) give no rows rather than a negative length.
-__device__ __forceinline__ int64_t clamped_length(const int32_t* cu, int64_t b) {
-  const int64_t l = static_cast<int64_t>(cu[b + 1]) - cu[b];
-  return l > 0 ? l : int64_t{0};
+// Sequence b's first row and length from offsets cu over `rows` rows, clamped into [0, rows):
+// valid offsets are unchanged; bad ones (checked on the host only with validate=True: offsets
+// past the rows, negative or decreasing) can shrink or empty a sequence, never point cuDNN
+// outside q, k, v, the outputs or the statistics.
+__device__ __forceinline__ int64_t clamped_start(const int32_t* cu, int64_t b, int64_t rows) {
+  const int64_t s = cu[b];
+  return s < 0 ? int64_t{0} : (s > rows ? rows : s);
+}
+
+__device__ __forceinline__ int64_t clamped_length(const int32_t* cu, int64_t b, int64_t rows) {
+  const int64_t s = clamped_start(cu, b, rows);
+  const int64_t e = cu[b + 1];
+  return e <= s ? int64_t{0} : (e > rows ? rows : e) - s;
 }
 
 __global__ void __launch_bounds__(kBlock)
     metadata_kernel(const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_kv,
-                    int64_t batch, int64_t batch_bucket, int64_t q_token, int64_t k_token,
-                    int64_t v_token, int64_t o_token, int64_t stats_token, VarlenMetadata m) {
+                    int64_t batch, int64_t batch_bucket, int64_t tq, int64_t tk, int64_t q_token,
+                    int64_t k_token, int64_t v_token, int64_t o_token, int64_t stats_token,
+                    VarlenMetadata m) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i <= batch_bucket;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     // Appended sequences (i >= batch) start at the end of the rows and have length 0.
     const int64_t b = i < batch ? i : batch;
-    const int64_t lq = i < batch ? clamped_length(cu_q, i) : 0, lk = i < batch ? clamped_length(cu_kv, i) : 0;
-    write_slot(m, i, batch_bucket, cu_q[b], cu_kv[b], lq, lk, q_token, k_token, v_token, o_token, stats_token);
+    const int64_t lq = i < batch ? clamped_length(cu_q, i, tq) : 0;
+    const int64_t lk = i < batch ? clamped_length(cu_kv, i, tk) : 0;
+    write_slot(m, i, batch_bucket, clamped_start(cu_q, b, tq), clamped_start(cu_kv, b, tk), lq, lk, q_token,
+               k_token, v_token, o_token, stats_token);
   }
 }
 
@@ -65,16 +76,18 @@ __global__ void __launch_bounds__(kBlock)
 // memory in chunks of kBlock.
 __global__ void __launch_bounds__(kBlock)
     metadata_lpt_kernel(const int32_t* __restrict__ cu_q, const int32_t* __restrict__ cu_kv,
-                        int64_t batch, int64_t batch_bucket, int64_t q_token, int64_t k_token,
-                        int64_t v_token, int64_t o_token, int64_t stats_token, VarlenMetadata m) {
+                        int64_t batch, int64_t batch_bucket, int64_t tq, int64_t tk, int64_t q_token,
+                        int64_t k_token, int64_t v_token, int64_t o_token, int64_t stats_token,
+                        VarlenMetadata m) {
   __shared__ int64_t chunk_work[kBlock];
   const int64_t i = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x;
-  const int64_t lq = i < batch ? clamped_length(cu_q, i) : 0, lk = i < batch ? clamped_length(cu_kv, i) : 0;
+  const int64_t lq = i < batch ? clamped_length(cu_q, i, tq) : 0;
+  const int64_t lk = i < batch ? clamped_length(cu_kv, i, tk) : 0;
   const int64_t work = lq * lk;
   int64_t rank = 0;
   for (int64_t j0 = 0; j0 < batch; j0 += kBlock) {
     const int64_t j = j0 + threadIdx.x;
-    chunk_work[threadIdx.x] = j < batch ? clamped_length(cu_q, j) * clamped_length(cu_kv, j) : -1;
+    chunk_work[threadIdx.x] = j < batch ? clamped_length(cu_q, j, tq) * clamped_length(cu_kv, j, tk) : -1;
     __syncthreads();
     const int64_t n = batch - j0 < kBlock ? batch - j0 : kBlock;
     for (int64_t t = 0; t < n; ++t) {
@@ -86,7 +99,8 @@ __global__ void __launch_bounds__(kBlock)
   if (i > batch_bucket) return;
   const int64_t slot = i < batch ? rank : i;
   const int64_t b = i < batch ? i : batch;  // appended slots: empty, at the end of the rows
-  write_slot(m, slot, batch_bucket, cu_q[b], cu_kv[b], lq, lk, q_token, k_token, v_token, o_token, stats_token);
+  write_slot(m, slot, batch_bucket, clamped_start(cu_q, b, tq), clamped_start(cu_kv, b, tk), lq, lk, q_token,
+             k_token, v_token, o_token, stats_token);
 }
 
 int grid_for(int64_t items, int64_t per_block) {
@@ -195,18 +209,18 @@ VarlenMetadata varlen_metadata_at(void* base, int64_t batch_bucket) {
 }
 
 cudaError_t launch_varlen_metadata(const int32_t* cu_q, const int32_t* cu_kv, int64_t batch,
-                                   int64_t batch_bucket, int64_t hq, int64_t hk, int64_t dqk,
-                                   int64_t dv, const VarlenMetadata& m, VarlenOrder order,
-                                   cudaStream_t stream) {
+                                   int64_t batch_bucket, int64_t tq, int64_t tk, int64_t hq,
+                                   int64_t hk, int64_t dqk, int64_t dv, const VarlenMetadata& m,
+                                   VarlenOrder order, cudaStream_t stream) {
   if (batch < 0 || batch_bucket < batch) return cudaErrorInvalidValue;
   if (order == VarlenOrder::kLargestFirst && batch > 1 && batch <= kLargestFirstMaxBatch) {
     const int grid = static_cast<int>((batch_bucket + 1 + kBlock - 1) / kBlock);
-    metadata_lpt_kernel<<<grid, kBlock, 0, stream>>>(cu_q, cu_kv, batch, batch_bucket, hq * dqk,
+    metadata_lpt_kernel<<<grid, kBlock, 0, stream>>>(cu_q, cu_kv, batch, batch_bucket, tq, tk, hq * dqk,
                                                      hk * dqk, hk * dv, hq * dv, hq, m);
     return cudaGetLastError();
   }
   const int grid = grid_for(batch_bucket + 1, kBlock);
-  metadata_kernel<<<grid, kBlock, 0, stream>>>(cu_q, cu_kv, batch, batch_bucket, hq * dqk, hk * dqk,
+  metadata_kernel<<<grid, kBlock, 0, stream>>>(cu_q, cu_kv, batch, batch_bucket, tq, tk, hq * dqk, hk * dqk,
                                                hk * dv, hq * dv, hq, m);
   return cudaGetLastError();
 }

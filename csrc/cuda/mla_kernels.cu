@@ -48,7 +48,31 @@ __global__ void __launch_bounds__(kBlock) pad_kernel(PadLaunch jobs, int64_t src
 
 bool divides(int64_t w, int64_t x) { return x % w == 0; }
 
+__device__ __forceinline__ int32_t clamp_offset(int32_t v, int64_t rows) {
+  return static_cast<int32_t>(v < 0 ? int64_t{0} : (v > rows ? rows : static_cast<int64_t>(v)));
+}
+
+__global__ void __launch_bounds__(kBlock)
+    clamp_offsets_kernel(const int32_t* __restrict__ cu_q, int32_t* __restrict__ out_q, int64_t rows_q,
+                         const int32_t* __restrict__ cu_kv, int32_t* __restrict__ out_kv, int64_t rows_kv,
+                         int64_t n) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kBlock + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * kBlock) {
+    out_q[i] = clamp_offset(cu_q[i], rows_q);
+    out_kv[i] = clamp_offset(cu_kv[i], rows_kv);
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_clamp_offsets(const int32_t* cu_q, int32_t* out_q, int64_t rows_q, const int32_t* cu_kv,
+                                 int32_t* out_kv, int64_t rows_kv, int64_t n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>((n + kBlock - 1) / kBlock, 1024);
+  clamp_offsets_kernel<<<static_cast<int>(blocks), kBlock, 0, stream>>>(cu_q, out_q, rows_q, cu_kv, out_kv,
+                                                                        rows_kv, n);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_pad_last_dim(const PadJob* jobs, int num_jobs, int64_t src_cols,
                                 int64_t dst_cols, int64_t elem_bytes, cudaStream_t stream) {

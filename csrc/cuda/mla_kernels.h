@@ -24,5 +24,12 @@ constexpr int kMaxPadJobs = 3;
 cudaError_t launch_pad_last_dim(const PadJob* jobs, int num_jobs, int64_t src_cols,
                                 int64_t dst_cols, int64_t elem_bytes, cudaStream_t stream);
 
+// out_q[i] = clamp(cu_q[i], 0, rows_q) and out_kv[i] = clamp(cu_kv[i], 0, rows_kv) for i < n: the
+// offsets the padded path hands to FlashAttention, whose kernels read them unchecked. Valid
+// offsets are unchanged; bad ones (checked on the host only with validate=True) can shrink or
+// empty a sequence but never send a kernel outside q, k, v or the outputs.
+cudaError_t launch_clamp_offsets(const int32_t* cu_q, int32_t* out_q, int64_t rows_q, const int32_t* cu_kv,
+                                 int32_t* out_kv, int64_t rows_kv, int64_t n, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace verl_ops

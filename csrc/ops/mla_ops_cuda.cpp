@@ -212,6 +212,19 @@ Tensor from_dense(const DenseRows& d, const Tensor& x4, int64_t rows) {
                               std::nullopt);
 }
 
+// The offsets FlashAttention reads, clamped into the rows (launch_clamp_offsets): one launch for
+// both, into one buffer of 2 * (B + 1) words.
+std::tuple<Tensor, Tensor> flash_offsets(const char* op, const Tensor& cu_q, const Tensor& cu_kv,
+                                         const MlaSizes& s, cudaStream_t stream) {
+  const int64_t n = cu_q.size(0);
+  Tensor both = st::empty(cu_q, {2 * n}, st::kInt);
+  Tensor out_q = torch::stable::narrow(both, 0, 0, n), out_kv = torch::stable::narrow(both, 0, n, n);
+  st::check_launch(op, cuda::launch_clamp_offsets(st::ptr<int32_t>(cu_q), st::ptr<int32_t>(out_q), s.tq,
+                                                  st::ptr<int32_t>(cu_kv), st::ptr<int32_t>(out_kv), s.tk, n,
+                                                  stream));
+  return {out_q, out_kv};
+}
+
 void check_flash_head_dim(const char* op, int64_t dqk) {
   VERL_CHECK(dqk % 8 == 0 && dqk <= 256, op,
              ": the padded (FlashAttention) backend needs Dqk a multiple of 8 and <= 256, got ",
@@ -318,7 +331,7 @@ VarlenCall prepare_varlen(const char* op, bool backward, const Tensor& q,
   c.meta = cuda::varlen_metadata_at(c.metadata.data_ptr(), c.bucket.batch);
   st::check_launch(op, cuda::launch_varlen_metadata(st::ptr<int32_t>(c.cu_q),
                                                     st::ptr<int32_t>(c.cu_kv), s.batch,
-                                                    c.bucket.batch, s.hq, s.hk, s.dqk, s.dv,
+                                                    c.bucket.batch, s.tq, s.tk, s.hq, s.hk, s.dqk, s.dv,
                                                     c.meta, cuda::varlen_order(), c.stream));
   return c;
 }
@@ -447,13 +460,14 @@ std::tuple<Tensor, Tensor> mla_forward_padded_cuda(
   const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
   if (call.c.backend == MlaBackend::kPadded) {
     check_flash_head_dim(op, s.dqk);
+    const auto [fq, fkv] = flash_offsets(op, cu_q, cu_kv, s, st::current_stream(q));
     const Tensor vp = s.dv == s.dqk ? st::contiguous(v) : pad_last_dim(op, {v}, s.dqk)[0];
     // (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
     //  return_debug_mask, *, scale, window_size_left, window_size_right, seqused_k,
     //  alibi_slopes) -> (output, softmax_logsumexp, rng_state, unused, debug_attn_mask)
     const auto r = st::call_aten<15>(
-        "aten::_flash_attention_forward", "", qc, kc, vp, std::optional<Tensor>(cu_q),
-        std::optional<Tensor>(cu_kv), max_seqlen_q, max_seqlen_kv, 0.0, causal, false,
+        "aten::_flash_attention_forward", "", qc, kc, vp, std::optional<Tensor>(fq),
+        std::optional<Tensor>(fkv), max_seqlen_q, max_seqlen_kv, 0.0, causal, false,
         std::optional<double>(scale), std::nullopt, std::nullopt, std::nullopt, std::nullopt);
     std::vector<Tensor> res = tensor_returns(r, {0, 1, 2, 3, 4});
     Tensor o = res[0];
@@ -507,6 +521,7 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cuda(
   const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
   if (call.c.backend == MlaBackend::kPadded) {
     check_flash_head_dim(op, s.dqk);
+    const auto [fq, fkv] = flash_offsets(op, cu_q, cu_kv, s, st::current_stream(q));
     Tensor vp, dout, out_full;
     if (s.dv == s.dqk) {
       vp = st::contiguous(v);
@@ -525,7 +540,7 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cuda(
     //  dropout_p, is_causal, rng_state, unused, *, scale, window_size_left, window_size_right)
     const auto r = st::call_aten<17>(
         "aten::_flash_attention_backward", "", dout, qc, kc, vp, out_full,
-        st::contiguous(softmax_lse), cu_q, cu_kv, max_seqlen_q, max_seqlen_kv, 0.0, causal,
+        st::contiguous(softmax_lse), fq, fkv, max_seqlen_q, max_seqlen_kv, 0.0, causal,
         flash_rng_state(q), flash_unused(q), std::optional<double>(scale), std::nullopt,
         std::nullopt);
     std::vector<Tensor> grads = tensor_returns(r, {0, 1, 2});
