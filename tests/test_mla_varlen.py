@@ -658,6 +658,33 @@ def test_fa4_backend_needs_cuda():
 
 @gpu
 @pytest.mark.gpu
+def test_cuda_fa4_gets_offsets_clamped_into_the_rows(monkeypatch):
+    """FlashAttention-4 reads the offsets unchecked: backend="fa4" hands it offsets clamped into
+    the rows and non-decreasing (valid ones unchanged). FlashAttention-4 itself is replaced by a
+    recorder, so this runs whether it is installed or not."""
+    from verl_ops import _mla
+
+    seen = []
+
+    def recorder(q, k, v, cu_seqlens_q, cu_seqlens_k, **kwargs):
+        seen.append((cu_seqlens_q.tolist(), cu_seqlens_k.tolist()))
+        return q.new_zeros(q.shape[0], q.shape[1], v.shape[2])
+
+    monkeypatch.setattr(_mla, "_fa4_varlen_func", lambda op: recorder)
+    c = make_case([3, 4, 9], kv_lengths=[3, 4, 10], device="cuda")  # 16 query rows, 17 key rows
+    bad_q = torch.tensor([-7, 3, 2, 40], dtype=torch.int32, device="cuda")
+    bad_kv = torch.tensor([0, 50, 2, 17], dtype=torch.int32, device="cuda")
+    for cu_q, cu_kv in ((bad_q, bad_q), (bad_q, bad_kv), (c["cu_q"], c["cu_kv"])):
+        _mla._fa4_forward("mla_forward_padded", c["q"], c["k"], c["v"], cu_q, cu_kv, 9, 10, True, None)
+    assert seen == [
+        ([0, 3, 3, 16], [0, 3, 3, 17]),
+        ([0, 3, 3, 16], [0, 17, 17, 17]),
+        ([0, 3, 7, 16], [0, 3, 7, 17]),
+    ]
+
+
+@gpu
+@pytest.mark.gpu
 @pytest.mark.skipif(HAS_FA4, reason="flash-attn-4 is installed here")
 def test_cuda_fa4_missing_is_a_clear_error():
     c = make_case([3, 5], hq=2, hk=2, device="cuda")

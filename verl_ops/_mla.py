@@ -261,6 +261,13 @@ def _fa4_forward(op, q, k, v, cu_q, cu_kv, max_q, max_kv, causal, softmax_scale)
     if q.device.type != "cuda":
         raise ValueError(f"{op}: backend='fa4' runs on CUDA tensors only, got q on {q.device}")
     func = _fa4_varlen_func(op)
+    # FlashAttention-4 reads the offsets unchecked (the API checks them only with validate=True):
+    # clamped into the rows and made non-decreasing, bad offsets can shrink or empty a sequence
+    # but never send its kernels outside the tensors. Valid offsets are unchanged.
+    same = cu_q is cu_kv and q.shape[0] == k.shape[0]
+    safe_q = torch.cummax(cu_q.clamp(0, q.shape[0]), 0)[0]
+    cu_kv = safe_q if same else torch.cummax(cu_kv.clamp(0, k.shape[0]), 0)[0]
+    cu_q = safe_q
     out = func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_kv, max_seqlen_q=int(max_q), max_seqlen_k=int(max_kv),
                softmax_scale=None if softmax_scale is None else float(softmax_scale), causal=bool(causal))
     return out[0] if isinstance(out, tuple) else out
