@@ -205,8 +205,10 @@ VERL_HD int64_t jagged_source_row(const JaggedGatherPlan& p, int64_t out_row) {
   if (p.num_out_seqs <= 0 || out_row >= p.cu_out[p.num_out_seqs]) return -1;
   const int64_t j = upper_segment(p.cu_out, p.num_out_seqs, out_row);
   if (p.src_starts[j] < 0) return -1;
+  // (offsets that do not start at 0, unchecked on the device, put rows before cu_out[0] in
+  // sequence 0 at negative offsets: those read as zero, as rows past the pool do)
   const int64_t src = p.src_starts[j] + (out_row - p.cu_out[j]);
-  return src < p.src_rows ? src : -1;
+  return (src >= 0 && src < p.src_rows) ? src : -1;
 }
 
 }  // namespace core

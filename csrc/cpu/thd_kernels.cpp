@@ -1,9 +1,17 @@
 #include "thd_kernels.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace verl_ops {
 namespace cpu {
+
+// The row functions of core/thd_rows.h resolve one output row at a time (a binary search over
+// the sequences each). On the CPU the common cases (no attention mask, no roll, and every jagged
+// gather) are copied a run at a time instead: a run is a stretch of output rows that reads
+// consecutive input rows (one sequence's chunk), so it is one memcpy, found with one search.
+// What each row holds is the row functions' answer, row for row; the masked and rolled packs
+// and unpacks keep the per-row loop.
 
 namespace {
 inline void copy_or_zero(char* dst, const char* src, int64_t src_row, int64_t row_bytes) {
@@ -13,10 +21,25 @@ inline void copy_or_zero(char* dst, const char* src, int64_t src_row, int64_t ro
     std::memset(dst, 0, static_cast<size_t>(row_bytes));
   }
 }
-}  // namespace
 
-void pack_rows(const core::PackPlan& plan, const char* src, char* dst, int64_t* positions,
-               int64_t row_bytes, int64_t row_begin, int64_t row_end) {
+inline void zero_rows(char* dst, int64_t n, int64_t row_bytes) {
+  if (n > 0) std::memset(dst, 0, static_cast<size_t>(n * row_bytes));
+}
+
+// dst rows [0, n) <- src rows [first, first + n); the ones outside [0, src_rows) read as zero.
+inline void copy_run(char* dst, const char* src, int64_t first, int64_t n, int64_t src_rows,
+                     int64_t row_bytes) {
+  const int64_t lo = std::min(n, std::max<int64_t>(0, -first));
+  const int64_t hi = std::max(lo, std::min(n, src_rows - first));
+  zero_rows(dst, lo, row_bytes);
+  if (hi > lo) {
+    std::memcpy(dst + lo * row_bytes, src + (first + lo) * row_bytes, static_cast<size_t>((hi - lo) * row_bytes));
+  }
+  zero_rows(dst + hi * row_bytes, n - hi, row_bytes);
+}
+
+void pack_rows_each(const core::PackPlan& plan, const char* src, char* dst, int64_t* positions,
+                    int64_t row_bytes, int64_t row_begin, int64_t row_end) {
   for (int64_t r = row_begin; r < row_end; ++r) {
     int64_t pos = 0;
     const int64_t s = core::pack_source_row(plan, r, &pos);
@@ -25,25 +48,176 @@ void pack_rows(const core::PackPlan& plan, const char* src, char* dst, int64_t* 
   }
 }
 
-void unpack_rows(const core::UnpackPlan& plan, const char* src, char* dst, int64_t row_bytes,
-                 int64_t row_begin, int64_t row_end) {
+void unpack_rows_each(const core::UnpackPlan& plan, const char* src, char* dst, int64_t row_bytes,
+                      int64_t row_begin, int64_t row_end) {
   for (int64_t r = row_begin; r < row_end; ++r) {
     copy_or_zero(dst + r * row_bytes, src, core::unpack_source_row(plan, r), row_bytes);
   }
 }
 
+// Pack without mask or roll (plain_row_value): a sequence's rows on a rank are one run (cp 1,
+// contiguous layout) or two (zigzag: chunk rank, then chunk 2cp-1-rank); each run holds positions
+// pos, pos + 1, ...: tokens while pos < length, then padding rows.
+void pack_runs(const core::PackPlan& plan, const char* src, char* dst, int64_t* positions,
+               int64_t row_bytes, int64_t row_begin, int64_t row_end) {
+  const core::ShardSpec& s = plan.spec;
+  const bool zigzag = s.cp_size > 1 && s.layout == core::CpLayout::kZigzag;
+  int64_t r = row_begin;
+  while (r < row_end) {
+    int32_t rank = plan.cp_rank;
+    int64_t row = r;
+    if (rank < 0) {
+      rank = static_cast<int32_t>(r / s.local_rows);
+      row = r - static_cast<int64_t>(rank) * s.local_rows;
+    }
+    const core::RowSource rs = core::local_row_to_position(plan.cu_seqlens_padded, s, rank, row);
+    if (rs.seq < 0) {  // past the last sequence (an inconsistent layout): the row function's answer
+      pack_rows_each(plan, src, dst, positions, row_bytes, r, r + 1);
+      ++r;
+      continue;
+    }
+    const int64_t padded = core::padded_length(plan.cu_seqlens_padded, rs.seq);
+    int64_t run;
+    if (!zigzag) {
+      run = padded - rs.pos;
+    } else {
+      const int64_t chunk = padded / (2 * s.cp_size);
+      const int64_t j = row - plan.cu_seqlens_padded[rs.seq] / s.cp_size;
+      run = (j < chunk ? chunk : 2 * chunk) - j;
+    }
+    const int64_t n = std::min({run, s.local_rows - row, row_end - r});
+    const int64_t len = core::valid_length(plan.cu_seqlens, rs.seq);
+    const int64_t valid = std::min(n, std::max<int64_t>(0, len - rs.pos));
+    copy_run(dst + r * row_bytes, src, static_cast<int64_t>(plan.cu_seqlens[rs.seq]) + rs.pos, valid,
+             plan.src_rows, row_bytes);
+    zero_rows(dst + (r + valid) * row_bytes, n - valid, row_bytes);
+    if (positions != nullptr) {
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t p = rs.pos + k;
+        // Padding rows: 0, except in a zigzag first chunk (positions count on through it).
+        positions[r + k] = (k < valid || (zigzag && 2 * p < padded)) ? p : 0;
+      }
+    }
+    r += n;
+  }
+}
+
+// Unpack without mask or roll: output rows are the tokens in order; the tokens of one sequence
+// that sit in one chunk (cp 1: the whole sequence; contiguous: up to a rank boundary; zigzag: one
+// of the 2cp chunks) are consecutive local rows of one rank.
+void unpack_runs(const core::UnpackPlan& plan, const char* src, char* dst, int64_t row_bytes,
+                 int64_t row_begin, int64_t row_end) {
+  const core::ShardSpec& s = plan.spec;
+  const int64_t B = s.num_seqs;
+  const int64_t total = B > 0 ? static_cast<int64_t>(plan.cu_seqlens[B]) : 0;
+  int64_t r = row_begin;
+  while (r < row_end) {
+    if (r >= total) {
+      zero_rows(dst + r * row_bytes, row_end - r, row_bytes);
+      return;
+    }
+    const int64_t seq = core::upper_segment(plan.cu_seqlens, B, r);
+    const int64_t q = r - plan.cu_seqlens[seq];
+    const int64_t len = core::valid_length(plan.cu_seqlens, seq);
+    const core::RowLocation loc = core::position_to_local_row(plan.cu_seqlens_padded, s, seq, q);
+    if (q < 0 || q >= len || loc.rank < 0) {  // an inconsistent layout: the row function's answer
+      unpack_rows_each(plan, src, dst, row_bytes, r, r + 1);
+      ++r;
+      continue;
+    }
+    int64_t run = len - q;
+    if (s.cp_size > 1) {
+      if (s.layout == core::CpLayout::kContiguous) {
+        run = std::min(run, s.local_rows - loc.row);
+      } else {
+        const int64_t chunk = core::padded_length(plan.cu_seqlens_padded, seq) / (2 * s.cp_size);
+        run = std::min(run, chunk - q % chunk);
+      }
+    }
+    const int64_t n = std::min(run, row_end - r);
+    char* d = dst + r * row_bytes;
+    if (plan.cp_rank >= 0 && loc.rank != plan.cp_rank) {
+      zero_rows(d, n, row_bytes);
+    } else {
+      const int64_t first = (plan.cp_rank >= 0 ? 0 : static_cast<int64_t>(loc.rank) * s.local_rows) + loc.row;
+      copy_run(d, src, first, n, plan.packed_rows, row_bytes);
+    }
+    r += n;
+  }
+}
+}  // namespace
+
+void pack_rows(const core::PackPlan& plan, const char* src, char* dst, int64_t* positions,
+               int64_t row_bytes, int64_t row_begin, int64_t row_end) {
+  if (plan.mask_csum == nullptr && !plan.roll && plan.spec.local_rows > 0) {
+    pack_runs(plan, src, dst, positions, row_bytes, row_begin, row_end);
+  } else {
+    pack_rows_each(plan, src, dst, positions, row_bytes, row_begin, row_end);
+  }
+}
+
+void unpack_rows(const core::UnpackPlan& plan, const char* src, char* dst, int64_t row_bytes,
+                 int64_t row_begin, int64_t row_end) {
+  if (plan.mask_csum == nullptr && !plan.roll && plan.spec.local_rows > 0) {
+    unpack_runs(plan, src, dst, row_bytes, row_begin, row_end);
+  } else {
+    unpack_rows_each(plan, src, dst, row_bytes, row_begin, row_end);
+  }
+}
+
+// Output sequence j is one run: rows [cu_out[j], cu_out[j + 1]) from src_starts[j] on.
 void jagged_gather_rows(const core::JaggedGatherPlan& plan, const char* src, char* dst,
                         int64_t row_bytes, int64_t row_begin, int64_t row_end) {
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    copy_or_zero(dst + r * row_bytes, src, core::jagged_source_row(plan, r), row_bytes);
+  const int64_t n = plan.num_out_seqs;
+  const int64_t total = n > 0 ? static_cast<int64_t>(plan.cu_out[n]) : 0;
+  int64_t r = row_begin;
+  while (r < row_end) {
+    if (r >= total) {
+      zero_rows(dst + r * row_bytes, row_end - r, row_bytes);
+      return;
+    }
+    const int64_t j = core::upper_segment(plan.cu_out, n, r);
+    const int64_t run = std::min<int64_t>(plan.cu_out[j + 1], row_end) - r;
+    if (run <= 0) {  // offsets that decrease: the row function's answer
+      copy_or_zero(dst + r * row_bytes, src, core::jagged_source_row(plan, r), row_bytes);
+      ++r;
+      continue;
+    }
+    char* d = dst + r * row_bytes;
+    if (plan.src_starts[j] < 0) {
+      zero_rows(d, run, row_bytes);
+    } else {
+      copy_run(d, src, plan.src_starts[j] + (r - plan.cu_out[j]), run, plan.src_rows, row_bytes);
+    }
+    r += run;
   }
 }
 
 void jagged_scatter_rows(const core::JaggedGatherPlan& plan, const char* src, char* dst,
                          int64_t row_bytes, int64_t row_begin, int64_t row_end) {
-  for (int64_t r = row_begin; r < row_end; ++r) {
-    const int64_t d = core::jagged_source_row(plan, r);
-    if (d >= 0) std::memcpy(dst + d * row_bytes, src + r * row_bytes, static_cast<size_t>(row_bytes));
+  const int64_t n = plan.num_out_seqs;
+  const int64_t total = n > 0 ? static_cast<int64_t>(plan.cu_out[n]) : 0;
+  int64_t r = row_begin;
+  while (r < std::min(row_end, total)) {
+    const int64_t j = core::upper_segment(plan.cu_out, n, r);
+    const int64_t run = std::min<int64_t>(plan.cu_out[j + 1], row_end) - r;
+    if (run <= 0) {
+      const int64_t d = core::jagged_source_row(plan, r);
+      if (d >= 0) std::memcpy(dst + d * row_bytes, src + r * row_bytes, static_cast<size_t>(row_bytes));
+      ++r;
+      continue;
+    }
+    if (plan.src_starts[j] >= 0) {
+      // rows k of the run go to first + k; those outside [0, src_rows) are dropped
+      const int64_t first = plan.src_starts[j] + (r - plan.cu_out[j]);
+      const int64_t lo = std::min(run, std::max<int64_t>(0, -first));
+      const int64_t hi = std::min(run, plan.src_rows - first);
+      if (hi > lo) {
+        std::memcpy(dst + (first + lo) * row_bytes, src + (r + lo) * row_bytes,
+                    static_cast<size_t>((hi - lo) * row_bytes));
+      }
+    }
+    r += run;
   }
 }
 
