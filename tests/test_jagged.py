@@ -195,6 +195,20 @@ def test_device_mix_is_rejected():
         ops.jagged_gather(values, _i64([0], "cpu"), _i32([0, 2], "cuda"), 2)
 
 
+@pytest.mark.gpu
+def test_cuda_offsets_not_starting_at_zero_stay_in_bounds():
+    """Device offsets are not read on the host: cu_seqlens_out not starting at 0 puts the rows
+    before cu_seqlens_out[0] in sequence 0 at negative source offsets. They come out zero (gather)
+    or are dropped (scatter) rather than reaching before the tensors (compute-sanitizer memcheck
+    runs the GPU tests); the other rows follow src_starts as usual."""
+    values = torch.arange(1.0, 11.0, device="cuda")
+    src, cu = _i64([1], "cuda"), _i32([5, 8], "cuda")
+    out = ops.jagged_gather(values, src, cu, 8)
+    assert out.tolist() == [0.0, 0.0, 0.0, 0.0, 1.0, 2.0, 3.0, 4.0]  # rows 4..7 read 0..3 + 1
+    back = ops.jagged_scatter(torch.arange(1.0, 9.0, device="cuda"), src, cu, 10)
+    assert back.tolist() == [5.0, 6.0, 7.0, 8.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+
+
 def _cuda_matches_cpu(values, lengths, sel):
     """Gather and scatter of ``values`` on the GPU equal the CPU kernels' results."""
     src, cu, total = indices(lengths, sel, "cpu")
