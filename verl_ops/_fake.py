@@ -61,6 +61,12 @@ def _check_offset_pair(op: str, cu: torch.Tensor, cu_padded: torch.Tensor, like:
     )
 
 
+def _check_cp_rows(op: str, cp_size: int, local_rows) -> None:
+    """cp_size * local_rows fits int64 (concrete local_rows only), as the kernels' checked product."""
+    if type(local_rows) is int:
+        _check(cp_size * local_rows <= 2**63 - 1, op, f"cp_size * local_rows overflows int64 ({cp_size} * {local_rows})")
+
+
 def _check_size(op: str, sized_by: str, shape, dtype: torch.dtype) -> None:
     """The output's bytes fit int64, as the kernels' checked products (concrete sizes only; a
     symbolic size is the kernel's to check). An empty output still needs its strides to fit, as
@@ -137,9 +143,8 @@ def _preprocess_thd_fake(values, cu_seqlens, cu_seqlens_padded, local_rows, cp_s
     torch._check(local_rows >= 0, lambda: f"{op}: local_rows must be >= 0, got {local_rows}")
     skip = 2 if attention_mask is not None else 1
     _check(values.dim() >= skip, op, f"values has too few dimensions: {tuple(values.shape)}")
-    if cp_rank < 0 and type(local_rows) is int:
-        _check(cp_size * local_rows <= 2**63 - 1, op,
-               f"cp_size * local_rows overflows int64 ({cp_size} * {local_rows})")
+    if cp_rank < 0:
+        _check_cp_rows(op, cp_size, local_rows)
     if attention_mask is not None:
         _check_attention_mask(op, attention_mask, values, cu_seqlens)
         torch._check(
@@ -304,30 +309,20 @@ def _router_topk_scatter_fake(routes, cu_seqlens, cu_seqlens_padded, local_rows,
     )
     _check_offset_pair(op, cu_seqlens, cu_seqlens_padded, routes)
     if attention_mask is not None:
-        _check(attention_mask.dim() == 2, op, f"padded routes {list(routes.shape)} must be [B, S, L, K] matching "
-               f"attention_mask {list(attention_mask.shape)}")
-        torch._check(
-            routes.shape[0] == attention_mask.shape[0] and routes.shape[1] == attention_mask.shape[1],
-            lambda: f"{op}: padded routes {list(routes.shape)} must be [B, S, L, K] matching attention_mask "
-            f"{list(attention_mask.shape)}",
-        )
+        msg = f"padded routes {list(routes.shape)} must be [B, S, L, K] matching attention_mask {list(attention_mask.shape)}"
+        _check(attention_mask.dim() == 2, op, msg)
+        torch._check(routes.shape[0] == attention_mask.shape[0] and routes.shape[1] == attention_mask.shape[1],
+                     lambda: f"{op}: {msg}")
         _check_attention_mask(op, attention_mask, routes, cu_seqlens)
     if replay_mask is not None:
         _check_mask(op, "replay_mask", replay_mask, routes, "routes are")
         lead = routes.shape[:2] if padded else routes.shape[:1]
-        _check(replay_mask.dim() == len(lead), op, f"replay_mask must be "
-               + ("[B, S] like attention_mask" if padded else "[total_tokens] like the routes' rows")
+        msg = ("replay_mask must be " + ("[B, S] like attention_mask" if padded else "[total_tokens] like the routes' rows")
                + f", got shape {tuple(replay_mask.shape)}")
-        torch._check(
-            all(a == b for a, b in zip(replay_mask.shape, lead)),
-            lambda: f"{op}: replay_mask must be "
-            + ("[B, S] like attention_mask" if padded else "[total_tokens] like the routes' rows")
-            + f", got shape {tuple(replay_mask.shape)}",
-        )
+        _check(replay_mask.dim() == len(lead), op, msg)
+        torch._check(all(a == b for a, b in zip(replay_mask.shape, lead)), lambda: f"{op}: {msg}")
     torch._check(local_rows >= 0, lambda: f"{op}: local_rows must be >= 0, got {local_rows}")
-    if type(local_rows) is int:
-        _check(cp_size * local_rows <= 2**63 - 1, op,
-               f"cp_size * local_rows overflows int64 ({cp_size} * {local_rows})")
+    _check_cp_rows(op, cp_size, local_rows)
     torch._check(local_rows % tp_size == 0, lambda: f"{op}: local_rows={local_rows} is not divisible by "
                  f"tp_size={tp_size}; the sequence-parallel split needs equal chunks")
     rows = local_rows // tp_size

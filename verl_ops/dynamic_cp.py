@@ -621,10 +621,11 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     B = num_samples
     M = _MERGE_META
     device = groups.device if groups is not None and G > 1 else values.device
+    valid_b = isinstance(B, int) and not isinstance(B, bool) and 0 <= B <= INT32_MAX
     try:
         if rank_error:
             raise _CallerRejected()
-        if isinstance(B, bool) or not isinstance(B, int) or not 0 <= B <= INT32_MAX:
+        if not valid_b:
             raise ValueError(f"{op}: num_samples must be an int >= 0, got {B!r}")
         if groups is None and local_cp_size != 1:
             raise ValueError(
@@ -639,7 +640,6 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     if local is None:
         # The header's width where num_samples is valid (every rank's row has one width), else the
         # meta words alone: the status goes out without allocating for an unusable num_samples.
-        valid_b = isinstance(B, int) and not isinstance(B, bool) and 0 <= B <= INT32_MAX
         local = torch.zeros(M + 2 * B if valid_b else M, dtype=torch.int64, device=device)
         local[_MERGE_STATUS] = 1
     if G > 1:

@@ -242,18 +242,15 @@ def _agree(op: str, fp: torch.Tensor, groups, overflow, error) -> None:
         )
 
 
-def _check_mask_counts(op: str, mask: torch.Tensor, cu: torch.Tensor, device: torch.device) -> None:
+def _check_mask_counts(op: str, mask: torch.Tensor, cu: torch.Tensor, data: torch.Tensor) -> None:
     """Every row of attention_mask holds as many valid tokens as the layout's sequence (one read).
-    The shapes first, in the kernels' words, so that a bad cu_seqlens is not blamed on the mask."""
-    if cu.dtype != torch.int32 or cu.dim() != 1 or cu.shape[0] < 1:
-        raise RuntimeError(
-            f"{op}: cu_seqlens must be 1-D int32 with B + 1 >= 1 entries, got {cu.dtype} {tuple(cu.shape)}"
-        )
+    The shapes and devices first (cu_seqlens in the kernels' words), so that a bad cu_seqlens is
+    not blamed on the mask."""
+    _fake._check_offsets(op, "cu_seqlens", cu, data)
     if mask.dtype != torch.bool or mask.dim() != 2:
         raise ValueError(f"{op}: attention_mask must be a bool [B, S] tensor, got {mask.dtype} {tuple(mask.shape)}")
-    for name, t in (("cu_seqlens", cu), ("attention_mask", mask)):
-        if t.device != device:
-            raise RuntimeError(f"{op}: {name} is on {t.device} but the data is on {device}")
+    if mask.device != data.device:
+        raise RuntimeError(f"{op}: attention_mask is on {mask.device} but the data is on {data.device}")
     counts = mask.sum(dim=1)
     expected = (cu[1:] - cu[:-1]).to(device=counts.device, dtype=counts.dtype)
     if counts.shape != expected.shape:
@@ -296,7 +293,7 @@ def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_
                 f"local_rows / tp_size = {local_rows} / {tp} = {rows_sp}"
             )
         if attention_mask is not None and validate and attention_mask.device.type != "meta":
-            _check_mask_counts(op, attention_mask, cu, device)
+            _check_mask_counts(op, attention_mask, cu, indices[0])
         if multi:
             local, overflow = _record(layer_list, op=op)
     except Exception as e:  # every rank still joins the exchange below; re-raised after it

@@ -26,11 +26,20 @@ inline void zero_rows(char* dst, int64_t n, int64_t row_bytes) {
   if (n > 0) std::memset(dst, 0, static_cast<size_t>(n * row_bytes));
 }
 
+// The part [lo, hi) of a run of n rows k -> first + k that lands inside [0, rows).
+struct RunPart {
+  int64_t lo, hi;
+};
+
+inline RunPart inside(int64_t first, int64_t n, int64_t rows) {
+  const int64_t lo = std::min(n, std::max<int64_t>(0, -first));
+  return {lo, std::max(lo, std::min(n, rows - first))};
+}
+
 // dst rows [0, n) <- src rows [first, first + n); the ones outside [0, src_rows) read as zero.
 inline void copy_run(char* dst, const char* src, int64_t first, int64_t n, int64_t src_rows,
                      int64_t row_bytes) {
-  const int64_t lo = std::min(n, std::max<int64_t>(0, -first));
-  const int64_t hi = std::max(lo, std::min(n, src_rows - first));
+  const auto [lo, hi] = inside(first, n, src_rows);
   zero_rows(dst, lo, row_bytes);
   if (hi > lo) {
     std::memcpy(dst + lo * row_bytes, src + (first + lo) * row_bytes, static_cast<size_t>((hi - lo) * row_bytes));
@@ -210,8 +219,7 @@ void jagged_scatter_rows(const core::JaggedGatherPlan& plan, const char* src, ch
     if (plan.src_starts[j] >= 0) {
       // rows k of the run go to first + k; those outside [0, src_rows) are dropped
       const int64_t first = plan.src_starts[j] + (r - plan.cu_out[j]);
-      const int64_t lo = std::min(run, std::max<int64_t>(0, -first));
-      const int64_t hi = std::min(run, plan.src_rows - first);
+      const auto [lo, hi] = inside(first, run, plan.src_rows);
       if (hi > lo) {
         std::memcpy(dst + (first + lo) * row_bytes, src + (r + lo) * row_bytes,
                     static_cast<size_t>((hi - lo) * row_bytes));
