@@ -242,11 +242,12 @@ def _agree(op: str, fp: torch.Tensor, groups, overflow, error) -> None:
         )
 
 
-def _check_mask_counts(op: str, mask: torch.Tensor, cu: torch.Tensor, data: torch.Tensor) -> None:
+def _check_mask_counts(op: str, mask: torch.Tensor, cu: torch.Tensor, cu_padded: torch.Tensor,
+                       data: torch.Tensor) -> None:
     """Every row of attention_mask holds as many valid tokens as the layout's sequence (one read).
-    The shapes and devices first (cu_seqlens in the kernels' words), so that a bad cu_seqlens is
-    not blamed on the mask."""
-    _fake._check_offsets(op, "cu_seqlens", cu, data)
+    The shapes and devices first (the offsets in the kernels' words), so that bad offsets are not
+    blamed on the mask."""
+    _fake._check_offset_pair(op, cu, cu_padded, data)
     if mask.dtype != torch.bool or mask.dim() != 2:
         raise ValueError(f"{op}: attention_mask must be a bool [B, S] tensor, got {mask.dtype} {tuple(mask.shape)}")
     if mask.device != data.device:
@@ -293,7 +294,7 @@ def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_
                 f"local_rows / tp_size = {local_rows} / {tp} = {rows_sp}"
             )
         if attention_mask is not None and validate and attention_mask.device.type != "meta":
-            _check_mask_counts(op, attention_mask, cu, indices[0])
+            _check_mask_counts(op, attention_mask, cu, cu_padded, indices[0])
         if multi:
             local, overflow = _record(layer_list, op=op)
     except Exception as e:  # every rank still joins the exchange below; re-raised after it
