@@ -85,26 +85,38 @@ def _layer_list(op: str, indices):
     first = indices[0]
     if _library.HAS_LAYERS:  # router_topk_record_layers checks dtypes, devices and sizes itself
         return list(indices), len(indices), first.shape[0], first.shape[1], first.device
-    rec = op  # the same checks and words as router_topk_record_layers
-    for i, t in enumerate(indices):
+    _check_layers(op, indices)
+    return torch.stack(list(indices)), len(indices), first.shape[0], first.shape[1], first.device
+
+
+def _check_layers(op: str, layers) -> None:
+    """The record kernel's checks of the layers (a list of [T, K], or one [L, T, K] tensor), in its
+    words, on the host: one integer dtype, one device, one shape."""
+    first = layers[0]
+    if first.dtype not in _ATEN_NAMES:
+        raise RuntimeError(
+            f"{op}: indices must be an integer tensor (uint8, int8, int16, int32 or int64), got {first.dtype}"
+        )
+    if isinstance(layers, torch.Tensor):
+        return
+    for i, t in enumerate(layers):
         if t.dtype != first.dtype:
             raise RuntimeError(
-                f"{rec}: indices[{i}] is {_ATEN_NAMES.get(t.dtype, t.dtype)} but indices[0] is "
+                f"{op}: indices[{i}] is {_ATEN_NAMES.get(t.dtype, t.dtype)} but indices[0] is "
                 f"{_ATEN_NAMES.get(first.dtype, first.dtype)}; every layer must have the same dtype"
             )
         if t.device != first.device:
-            raise RuntimeError(f"{rec}: indices[{i}] is on {t.device} but indices[0] is on {first.device}")
+            raise RuntimeError(f"{op}: indices[{i}] is on {t.device} but indices[0] is on {first.device}")
         if t.shape[1] != first.shape[1]:
             raise RuntimeError(
-                f"{rec}: indices[{i}] has top-k {t.shape[1]} but indices[0] has {first.shape[1]}; "
+                f"{op}: indices[{i}] has top-k {t.shape[1]} but indices[0] has {first.shape[1]}; "
                 "K must be the same in every layer"
             )
         if t.shape[0] != first.shape[0]:
             raise RuntimeError(
-                f"{rec}: indices[{i}] has {t.shape[0]} rows but indices[0] has {first.shape[0]}; "
+                f"{op}: indices[{i}] has {t.shape[0]} rows but indices[0] has {first.shape[0]}; "
                 "every layer records the same tokens"
             )
-    return torch.stack(list(indices)), len(indices), first.shape[0], first.shape[1], first.device
 
 
 def _record(layers, *args, op: str = "router_topk_record"):
@@ -294,6 +306,7 @@ def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_
                 f"local_rows / tp_size = {local_rows} / {tp} = {rows_sp}"
             )
         if attention_mask is not None and validate and attention_mask.device.type != "meta":
+            _check_layers(op, layer_list)  # the kernel's checks, before the mask is blamed
             _check_mask_counts(op, attention_mask, cu, cu_padded, indices[0])
         if multi:
             local, overflow = _record(layer_list, op=op)
