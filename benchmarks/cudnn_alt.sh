@@ -58,7 +58,7 @@ unpack)
   parts=/tmp/cudnn_alt_parts; dest=/tmp/cudnn_alt
   mkdir -p "$parts"
   for d in "$@"; do cp -f "$d"/* "$parts"/; done
-  have=$(ls "$parts"/part_* 2>/dev/null | wc -l)
+  have=$(find "$parts" -maxdepth 1 -name 'part_*' | wc -l)
   want=$(cat "$parts/count" 2>/dev/null || echo "?")
   if [ "$want" = "?" ] || [ "$have" -lt "$want" ]; then
     echo "cudnn_alt: ${have} of ${want} parts (the count comes with .cudnn_alt_aa): carry the others"
