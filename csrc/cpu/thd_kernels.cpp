@@ -111,6 +111,22 @@ void pack_runs(const core::PackPlan& plan, const char* src, char* dst, int64_t* 
   }
 }
 
+// Output rows [row_begin, row_end) in runs: `step(r)` writes the rows from r on (at least one,
+// at most up to row_end) and returns how many; rows from `total` on (past the last sequence) are
+// zero.
+template <typename Step>
+void output_runs(char* dst, int64_t row_bytes, int64_t row_begin, int64_t row_end, int64_t total,
+                 Step&& step) {
+  int64_t r = row_begin;
+  while (r < row_end) {
+    if (r >= total) {
+      zero_rows(dst + r * row_bytes, row_end - r, row_bytes);
+      return;
+    }
+    r += step(r);
+  }
+}
+
 // Unpack without mask or roll: output rows are the tokens in order; the tokens of one sequence
 // that sit in one chunk (cp 1: the whole sequence; contiguous: up to a rank boundary; zigzag: one
 // of the 2cp chunks) are consecutive local rows of one rank.
@@ -119,20 +135,14 @@ void unpack_runs(const core::UnpackPlan& plan, const char* src, char* dst, int64
   const core::ShardSpec& s = plan.spec;
   const int64_t B = s.num_seqs;
   const int64_t total = B > 0 ? static_cast<int64_t>(plan.cu_seqlens[B]) : 0;
-  int64_t r = row_begin;
-  while (r < row_end) {
-    if (r >= total) {
-      zero_rows(dst + r * row_bytes, row_end - r, row_bytes);
-      return;
-    }
+  output_runs(dst, row_bytes, row_begin, row_end, total, [&](int64_t r) -> int64_t {
     const int64_t seq = core::upper_segment(plan.cu_seqlens, B, r);
     const int64_t q = r - plan.cu_seqlens[seq];
     const int64_t len = core::valid_length(plan.cu_seqlens, seq);
     const core::RowLocation loc = core::position_to_local_row(plan.cu_seqlens_padded, s, seq, q);
     if (q < 0 || q >= len || loc.rank < 0) {  // an inconsistent layout: the row function's answer
       unpack_rows_each(plan, src, dst, row_bytes, r, r + 1);
-      ++r;
-      continue;
+      return 1;
     }
     int64_t run = len - q;
     if (s.cp_size > 1) {
@@ -151,8 +161,8 @@ void unpack_runs(const core::UnpackPlan& plan, const char* src, char* dst, int64
       const int64_t first = (plan.cp_rank >= 0 ? 0 : static_cast<int64_t>(loc.rank) * s.local_rows) + loc.row;
       copy_run(d, src, first, n, plan.packed_rows, row_bytes);
     }
-    r += n;
-  }
+    return n;
+  });
 }
 }  // namespace
 
@@ -179,18 +189,12 @@ void jagged_gather_rows(const core::JaggedGatherPlan& plan, const char* src, cha
                         int64_t row_bytes, int64_t row_begin, int64_t row_end) {
   const int64_t n = plan.num_out_seqs;
   const int64_t total = n > 0 ? static_cast<int64_t>(plan.cu_out[n]) : 0;
-  int64_t r = row_begin;
-  while (r < row_end) {
-    if (r >= total) {
-      zero_rows(dst + r * row_bytes, row_end - r, row_bytes);
-      return;
-    }
+  output_runs(dst, row_bytes, row_begin, row_end, total, [&](int64_t r) -> int64_t {
     const int64_t j = core::upper_segment(plan.cu_out, n, r);
     const int64_t run = std::min<int64_t>(plan.cu_out[j + 1], row_end) - r;
     if (run <= 0) {  // offsets that decrease: the row function's answer
       copy_or_zero(dst + r * row_bytes, src, core::jagged_source_row(plan, r), row_bytes);
-      ++r;
-      continue;
+      return 1;
     }
     char* d = dst + r * row_bytes;
     if (plan.src_starts[j] < 0) {
@@ -198,8 +202,8 @@ void jagged_gather_rows(const core::JaggedGatherPlan& plan, const char* src, cha
     } else {
       copy_run(d, src, plan.src_starts[j] + (r - plan.cu_out[j]), run, plan.src_rows, row_bytes);
     }
-    r += run;
-  }
+    return run;
+  });
 }
 
 void jagged_scatter_rows(const core::JaggedGatherPlan& plan, const char* src, char* dst,
