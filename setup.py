@@ -16,7 +16,10 @@ Environment:
   VERL_OPS_NO_CUDNN_FE=1   build without the varlen (cuDNN frontend) backend.
   CUDNN_FRONTEND_INCLUDE   directory holding cudnn_frontend.h (default: searched, see above).
   CUDNN_INCLUDE            directory holding cudnn.h (default: searched).
-  TORCH_CUDA_ARCH_LIST     GPU architectures (default "8.0;9.0").
+  TORCH_CUDA_ARCH_LIST     GPU architectures (default "8.0;9.0a"). A bare "9.0" is built as
+                           "9.0a" (the same GPUs, H100 / H200), which the SM90 attention kernel
+                           of the varlen backend (wgmma, TMA) needs; "9.0+PTX" is kept as given
+                           and that kernel is then left out (cuDNN's forward runs instead).
   MAX_JOBS                 parallel compile jobs (ninja).
 """
 
@@ -30,7 +33,7 @@ from setuptools import setup
 from torch.utils import cpp_extension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCH_LIST = "8.0;9.0"
+DEFAULT_ARCH_LIST = "8.0;9.0a"
 VERSION = "0.1.0"
 # The stable-ABI version the binding layer targets: torch 2.9.
 TORCH_TARGET_VERSION = "0x0209000000000000"
@@ -206,7 +209,22 @@ def _find_cudnn_frontend():
     return [fe_dir, cudnn_dir]
 
 
-def _make(name, sources, target, with_cuda, std, link_args, cudnn_fe_includes=None):
+def _hopper_arch_list():
+    """Rewrites a bare "9.0" in TORCH_CUDA_ARCH_LIST to "9.0a" and says whether the list has 9.0a:
+    compute capability 9.0 is H100 / H200 / GH200 only, every one of which runs sm_90a code, and
+    csrc/cuda/mla_sm90_fwd.cu needs the "a" features (wgmma, setmaxnreg)."""
+    entries = [e for e in re.split(r"[;\s]+", os.environ.get("TORCH_CUDA_ARCH_LIST", "")) if e]
+    rewritten = ["9.0a" if e == "9.0" else e for e in entries]
+    if rewritten != entries:
+        print(f"verl_ops: TORCH_CUDA_ARCH_LIST {';'.join(entries)} -> {';'.join(rewritten)} (sm_90a: the SM90 attention kernel)")
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(rewritten)
+    has = any(e.split("+")[0] == "9.0a" for e in rewritten)
+    if not has:
+        print("verl_ops: no 9.0a in TORCH_CUDA_ARCH_LIST: the varlen backend's forward runs cuDNN's on Hopper")
+    return has
+
+
+def _make(name, sources, target, with_cuda, std, link_args, cudnn_fe_includes=None, sm90a=False):
     common = [f"-DTORCH_TARGET_VERSION={target}", f"-DPy_LIMITED_API={PY_LIMITED_API}"]
     cxx_flags = ["-O3", f"-std={std}", "-fvisibility=hidden"] + common
     if not with_cuda:
@@ -216,6 +234,8 @@ def _make(name, sources, target, with_cuda, std, link_args, cudnn_fe_includes=No
     # USE_CUDA: the CUDA declarations of the stable C shim (the current CUDA stream).
     cxx_flags += ["-DVERL_OPS_WITH_CUDA", "-DUSE_CUDA"]
     nvcc_flags = ["-O3", f"-std={std}", "-DVERL_OPS_WITH_CUDA", "--expt-relaxed-constexpr", "-lineinfo"] + common
+    if sm90a:
+        nvcc_flags.append("-DVERL_OPS_HAS_SM90A")
     include_dirs = []
     if cudnn_fe_includes:
         # -g0: the frontend's templates make ~80 MB of debug info in the one translation unit that
@@ -237,8 +257,10 @@ def _extensions():
     """verl_ops._C (every op, stable ABI target 2.9) and, built against torch >= 2.10,
     verl_ops._C_layers (router_topk_record over a list of tensors: list arguments need target 2.10)."""
     with_cuda = _want_cuda()
+    sm90a = False
     if with_cuda:
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCH_LIST)
+        sm90a = _hopper_arch_list()
     std = _cxx_standard()
     link_args = _shared_libstdcxx_link_args()
     if not _torch_at_least(2, 10):
@@ -264,7 +286,7 @@ def _extensions():
         cudnn_fe_includes = _find_cudnn_frontend()
         if cudnn_fe_includes:
             main.append(CUDNN_FE_SOURCE)
-    exts = [_make("verl_ops._C", main, TORCH_TARGET_VERSION, with_cuda, std, link_args, cudnn_fe_includes)]
+    exts = [_make("verl_ops._C", main, TORCH_TARGET_VERSION, with_cuda, std, link_args, cudnn_fe_includes, sm90a)]
     if _torch_at_least(2, 10):
         exts.append(_make("verl_ops._C_layers", layers, TORCH_TARGET_VERSION_LISTS, with_cuda, std, link_args))
     else:

@@ -31,7 +31,7 @@ step "device"
   nvcc --version | tail -1; nproc; } 2>&1 | tee "$OUT/device.txt"
 
 if want build; then
-step "build (in place, TORCH_CUDA_ARCH_LIST=9.0)"
+step "build (in place, TORCH_CUDA_ARCH_LIST=9.0, built as 9.0a)"
 t0=$(date +%s)
 export CUDNN_FRONTEND_INCLUDE="$PWD/.cudnn_fe/include"
 CUDNN_SITE=$(python3 -c "import os, nvidia.cudnn as m; p = os.path.join(list(m.__path__)[0], 'include'); print(p if os.path.isfile(os.path.join(p, 'cudnn.h')) else '')" 2>/dev/null)
@@ -112,21 +112,24 @@ done
 fi
 
 if want tests; then
-step "MLA GPU tests (tests/test_mla*.py -m gpu)"
+step "MLA GPU tests (tests/test_mla*.py, tests/test_megatron_mla.py -m gpu)"
 t0=$(date +%s)
-timeout "$(cap 170)" python3 -m pytest tests/test_mla.py tests/test_mla_varlen.py tests/test_megatron_mla.py -m gpu -q \
+timeout "$(cap 240)" python3 -m pytest tests/test_mla.py tests/test_mla_varlen.py tests/test_mla_sm90.py tests/test_megatron_mla.py -m gpu -q \
   -p no:cacheprovider -rfE --durations=15 > "$OUT/tests_mla.log" 2>&1; echo "rc=$?"
 grep -E "^(FAILED|ERROR)" "$OUT/tests_mla.log" | head -40; tail -3 "$OUT/tests_mla.log"
 echo "tests: $(( $(date +%s) - t0 )) s"
 fi
 
 if want sanitizer; then
-step "compute-sanitizer memcheck (reduced tests/test_mla_varlen.py)"
+step "compute-sanitizer memcheck (reduced tests/test_mla_varlen.py, tests/test_mla_sm90.py)"
 t0=$(date +%s)
 timeout "$(cap 110)" compute-sanitizer --tool memcheck --error-exitcode 9 \
-  python3 -m pytest tests/test_mla_varlen.py -q -x -p no:cacheprovider \
-  -k "${SANITIZE_K:-(small_ragged and bf16 and h3) or (cross_attention and 192) or capture_and_replay}" \
+  python3 -m pytest tests/test_mla_varlen.py tests/test_mla_sm90.py -q -x -p no:cacheprovider \
+  -k "${SANITIZE_K:-(small_ragged and bf16 and h3) or (cross_attention and 192) or capture_and_replay or builds_no_plan}" \
   > "$OUT/sanitizer_mla_varlen.log" 2>&1; rc=$?
+timeout "$(cap 150)" compute-sanitizer --tool memcheck --error-exitcode 9 python3 benchmarks/memcheck_mla.py \
+  > "$OUT/sanitizer_memcheck_mla.log" 2>&1; echo "memcheck_mla.py: rc=$? $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_mla.log")"
+grep -E "finite|ran|Invalid|out of bounds" "$OUT/sanitizer_memcheck_mla.log" | head -12
 echo "sanitizer: rc=$rc $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitizer_mla_varlen.log" | tail -2 | tr '\n' ' ')"
 grep -E "Invalid|out of bounds|Address" "$OUT/sanitizer_mla_varlen.log" | head -10
 echo "sanitizer: $(( $(date +%s) - t0 )) s"

@@ -18,7 +18,7 @@ BACKENDS = ("auto", "padded", "native", "varlen")
 EXTRA_BACKENDS = ("fa4",)
 
 _CACHE_FIELDS = ("available", "size", "hits", "misses", "builds", "failures", "evictions", "capacity",
-                 "failed_buckets", "cudnn_version")
+                 "failed_buckets", "cudnn_version", "hopper_forward")
 
 
 def _setup_context(ctx, inputs, output):
@@ -202,12 +202,17 @@ def mla_cache_info(*, capacity: int | None = None) -> dict:
         builds cuDNN refused, plans evicted, the capacity, buckets remembered as failed, and the
         loaded cuDNN's version (e.g. 91900 for 9.19.0; 0 when none is loaded or the backend is
         not built). ``backend="auto"`` uses varlen only with cuDNN 9.7.0 or newer.
+        ``"hopper_forward": bool``: the backend's forward runs verl_ops' own SM90 kernel (built
+        for sm_90a, see setup.py) for head dims 192 / 128 on compute capability 9.0 GPUs instead
+        of a cuDNN plan (its backward stays cuDNN's); ``VERL_OPS_VARLEN_FORWARD=cudnn`` (read
+        once per process) turns it off.
     """
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ValueError(f"mla_cache_info: capacity must be an int >= 0 (0: no limit), got {capacity!r}")
     values = _ops.mla_cache_info(torch.empty(0, device="cpu"), -1 if capacity is None else capacity).tolist()
     info = dict(zip(_CACHE_FIELDS, values))
     info["available"] = bool(info["available"])
+    info["hopper_forward"] = bool(info.get("hopper_forward", 0))
     return info
 
 

@@ -112,10 +112,12 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cpu(
 
 // The varlen backend's plan cache: int64 [kMlaCacheInfoFields] CPU tensor {compiled (1 when this
 // build has the backend), size, hits, misses, builds, failed builds, evictions, capacity (0: no
-// limit), buckets whose build failed (remembered), the loaded cuDNN's version (0: none)}. `like`
-// is any CPU tensor (the op needs one tensor argument to dispatch). `capacity` >= 0 sets the
-// cache's capacity first (-1: unchanged).
-constexpr int64_t kMlaCacheInfoFields = 10;
+// limit), buckets whose build failed (remembered), the loaded cuDNN's version (0: none), 1 when
+// the backend's forward runs the own SM90 kernel for Dqk 192 / Dv 128 on compute capability 9.0
+// (csrc/cuda/mla_sm90_fwd.cu: built for 9.0a and not turned off by
+// VERL_OPS_VARLEN_FORWARD=cudnn)}. `like` is any CPU tensor (the op needs one tensor argument to
+// dispatch). `capacity` >= 0 sets the cache's capacity first (-1: unchanged).
+constexpr int64_t kMlaCacheInfoFields = 11;
 Tensor mla_cache_info(const Tensor& like, int64_t capacity);
 
 #ifdef VERL_OPS_WITH_CUDA

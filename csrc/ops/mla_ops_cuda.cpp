@@ -18,7 +18,9 @@
 //   per-sequence lengths, Dv != Dqk), through graphs of the cuDNN frontend kept in a plan cache
 //   keyed by bucketed shapes (csrc/cuda/mla_cudnn_varlen.h). No padded copies, no host read of the
 //   lengths: one metadata launch turns cu_seqlens into lengths and element offsets on the device.
-//   Compiled only where setup.py found the frontend (VERL_OPS_WITH_CUDNN_FE).
+//   Compiled only where setup.py found the frontend (VERL_OPS_WITH_CUDNN_FE). The forward for
+//   Dqk 192 / Dv 128 on compute capability 9.0 runs the own SM90 kernel instead
+//   (csrc/cuda/mla_sm90_fwd.cu; VERL_OPS_VARLEN_FORWARD=cudnn keeps cuDNN's).
 //
 // Stable ABI (target 2.9): aten ops go through the dispatcher (st::call_aten) with Tensor / int /
 // float / bool / optional arguments only (and, at 2.9 to 2.11, only ops whose returns read the same
@@ -40,6 +42,7 @@
 #include "../cuda/mla_kernels.h"
 #ifdef VERL_OPS_WITH_CUDNN_FE
 #include "../cuda/mla_cudnn_varlen.h"
+#include "../cuda/mla_sm90_fwd.h"
 #endif
 #include "mla_ops.h"
 #include "thd_ops.h"
@@ -349,6 +352,39 @@ std::tuple<Tensor, Tensor> varlen_forward(const char* op, const Tensor& q, const
                                           const Tensor& cu_seqlens_kv, const MlaSizes& s,
                                           int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
                                           double scale) {
+  if (s.dqk == 192 && s.dv == 128 && cuda::sm90_forward_device(q.get_device_index())) {
+    // MLA's head dims on Hopper: the own SM90 kernel (csrc/cuda/mla_sm90_fwd.cu), which writes
+    // the same outputs as cuDNN's forward (every row of every sequence, +inf log-sum-exp where a
+    // row sees no key), so cuDNN's backward reads them unchanged. No plan, no host read.
+    const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
+    const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
+    Tensor out = st::empty(q, {s.tq, s.hq, s.dv}, q.scalar_type());
+    Tensor stats = st::empty(q, {s.tq, s.hq}, st::kFloat);
+    Tensor ws = st::empty(q, {cuda::sm90_forward_workspace_ints(s.batch)}, st::kInt);
+    const bool self_attention = shares_offsets(cu_seqlens_q, cu_seqlens_kv) && s.tq == s.tk &&
+                                max_seqlen_q == max_seqlen_kv;
+    cuda::Sm90FwdArgs a{};
+    a.q = qc.data_ptr();
+    a.k = kc.data_ptr();
+    a.v = vc.data_ptr();
+    a.out = out.data_ptr();
+    a.lse = st::ptr<float>(stats);
+    a.cu_q = st::ptr<int32_t>(cu_q);
+    a.cu_kv = st::ptr<int32_t>(cu_kv);
+    a.workspace = st::ptr<int32_t>(ws);
+    a.batch = s.batch;
+    a.tq = s.tq;
+    a.tk = s.tk;
+    a.hq = s.hq;
+    a.hk = s.hk;
+    a.max_seqlen_q = max_seqlen_q;
+    a.scale = static_cast<float>(scale);
+    a.causal = causal;
+    a.bottom_right = causal && !self_attention;
+    a.half = q.scalar_type() == st::kHalf;
+    st::check_launch(op, cuda::launch_sm90_forward(a, st::current_stream(q)));
+    return {out, st::contiguous(torch::stable::transpose(stats, 0, 1))};
+  }
   const VarlenCall c = prepare_varlen(op, false, q, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
                                       max_seqlen_kv, causal, scale);
   const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);

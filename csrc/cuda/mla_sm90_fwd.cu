@@ -1,0 +1,733 @@
+// Forward attention of the varlen backend on Hopper (SM90a) for MLA's head dims: packed THD rows,
+// Dqk 192 / Dv 128, fp16 or bf16, causal (top-left or bottom-right) or not, grouped kv heads.
+//
+// Persistent and warp-specialised: one CTA per SM (384 threads, ~209 KiB of shared memory).
+// - A schedule kernel ranks the sequences longest first and counts their 128-row query tiles on
+//   the device (no host read of the lengths); tiles run in that order, within a sequence head by
+//   head and the query tiles from the last down (under a causal mask the last see the most
+//   keys), so tiles running at the same time share K / V in L2. A CTA's first tile is its index,
+//   the next ones come from an atomic counter (dynamic: ragged tiles balance across SMs).
+// - Producer warpgroup (one thread): hands each tile to the consumers through a two-slot ring,
+//   loads the tile's Q (128 x 192) once and its K (128 x 192) and V (128 x 128) tiles through
+//   TMA (128-byte swizzle, the wgmma operand layout) into a two-stage ring with separate K and V
+//   barriers, so the next K loads while V is still in use.
+// - Two consumer warpgroups, 64 query rows each: S = Q K^T (wgmma, both operands in shared
+//   memory), online softmax in registers (exp2, the running max moved only when it grows by
+//   more than 2^8, so O is rarely rescaled), O += P V (wgmma, P from registers). The S GEMM of
+//   key tile j + 1 and the PV GEMM of tile j are in flight while the softmax of tile j + 1 runs,
+//   and the two warpgroups take turns issuing GEMMs (named barriers), so one's softmax overlaps
+//   the other's GEMMs.
+// Writes O [Tq, Hq, 128] and the natural-log log-sum-exp [Tq, Hq] (+inf for a row that sees no
+// key) of every row of every sequence: the layout cuDNN's backward reads.
+#include "mla_sm90_fwd.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+
+namespace verl_ops {
+namespace cuda {
+
+namespace {
+
+constexpr int kBM = 128;      // query rows per CTA (two consumer warpgroups of 64)
+constexpr int kBN = 128;      // keys per tile
+constexpr int kDqk = 192;
+constexpr int kDv = 128;
+constexpr int kStages = 2;
+constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
+
+constexpr int kQBytes = kBM * kDqk * 2;   // 48 KiB: three 64-column chunks of 128 rows x 128 B
+constexpr int kKBytes = kBN * kDqk * 2;   // 48 KiB
+constexpr int kVBytes = kBN * kDv * 2;    // 32 KiB: two 64-column chunks
+constexpr int kSmemQ = 0;
+constexpr int kSmemK = kSmemQ + kQBytes;
+constexpr int kSmemV = kSmemK + kStages * kKBytes;
+constexpr int kSmemBar = kSmemV + kStages * kVBytes;
+constexpr int kNumBars = 2 + 4 * kStages + 4;  // q full / empty, K / V full / empty, tile ring
+constexpr int kSmemBytes = kSmemBar + kNumBars * 8 + 2 * 4 + 1024;  // + slack to align the base to 1 KiB
+
+struct Params {
+  const int32_t* order;        // [batch]: sequences, longest first
+  const int32_t* tile_prefix;  // [batch + 1]: first tile of each sequence in that order
+  int32_t* counter;            // tiles taken past the grid's first ones
+  const int32_t* cu_q;
+  const int32_t* cu_kv;
+  void* out;
+  float* lse;
+  int64_t tq, tk;
+  int hq, hk, batch;
+  float scale, scale_log2;
+  int causal, bottom_right;
+};
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define VERL_OPS_SM90A 1
+#endif
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred done;\n"
+      "WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra WAIT_%=;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
+                                            int c2, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
+      "%3, %4}], [%5];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
+      : "memory");
+}
+
+// Shared-memory matrix descriptor, 128-byte swizzle (bits 62-63 = 1).
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (static_cast<uint64_t>((addr & 0x3FFFF) >> 4)) |
+         (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
+         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void fence_regs(float (&d)[64]) {
+#pragma unroll
+  for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// D[64x128] (+)= A[64x16] (shared, K-major) * B[16x128] (shared, K-major).
+template <bool kHalf>
+__device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
+  if constexpr (kHalf) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "l"(da), "l"(db), "r"(accumulate));
+  }
+}
+
+// D[64x128] += A[64x16] (registers) * B[16x128] (shared, MN-major: rows of B are contiguous).
+template <bool kHalf>
+__device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t db) {
+  if constexpr (kHalf) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
+  }
+}
+
+template <bool kHalf>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+  if constexpr (kHalf) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+struct Tile {
+  int64_t q_start, k_start;
+  int lq, lk, m_block, n_blocks;
+};
+
+__device__ __forceinline__ int64_t clamp_start(const int32_t* cu, int b, int64_t rows) {
+  const int64_t s = cu[b];
+  return s < 0 ? 0 : (s > rows ? rows : s);
+}
+__device__ __forceinline__ int clamp_len(const int32_t* cu, int b, int64_t rows) {
+  const int64_t s = clamp_start(cu, b, rows);
+  const int64_t e = cu[b + 1];
+  return e <= s ? 0 : static_cast<int>((e > rows ? rows : e) - s);
+}
+
+// Key tiles a query tile needs: every tile holding a key some row of it sees.
+__device__ __forceinline__ int key_tiles(const Params& p, int lq, int lk, int m_block) {
+  int end = lk;
+  if (p.causal) {
+    const int lim = (m_block + 1) * kBM + (p.bottom_right ? lk - lq : 0);
+    end = min(end, max(lim, 0));
+  }
+  return (end + kBN - 1) / kBN;
+}
+
+struct TileInfo {
+  int64_t q_start, k_start;
+  int lq, lk, h, m_block, n_blocks;
+};
+
+// Tile -> (sequence, head, query tile): sequences longest first; in a sequence head by head,
+// the query tiles from the last (most keys under a causal mask) down, so the tiles that run at
+// the same time share their K / V in L2.
+__device__ __forceinline__ TileInfo decode_tile(const Params& p, int tile) {
+  int lo = 0, hi = p.batch - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (p.tile_prefix[mid] <= tile) lo = mid; else hi = mid - 1;
+  }
+  const int b = p.order[lo];
+  const int local = tile - p.tile_prefix[lo];
+  TileInfo ti;
+  ti.lq = clamp_len(p.cu_q, b, p.tq);
+  ti.q_start = clamp_start(p.cu_q, b, p.tq);
+  ti.lk = clamp_len(p.cu_kv, b, p.tk);
+  ti.k_start = clamp_start(p.cu_kv, b, p.tk);
+  const int mb = (ti.lq + kBM - 1) / kBM;
+  ti.h = local / mb;
+  ti.m_block = mb - 1 - local % mb;
+  ti.n_blocks = key_tiles(p, ti.lq, ti.lk, ti.m_block);
+  return ti;
+}
+
+template <bool kHalf>
+__global__ void __launch_bounds__(kThreads, 1)
+    mla_sm90_fwd_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+                        const __grid_constant__ CUtensorMap tv, const Params p) {
+#if defined(VERL_OPS_SM90A)
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  uint8_t* smem = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                             ~uintptr_t{1023});
+  const uint32_t base = smem_u32(smem);
+  const uint32_t bar_q_full = base + kSmemBar, bar_q_empty = base + kSmemBar + 8;
+  auto bar_full_k = [&](int s) { return base + kSmemBar + 8 * (2 + s); };
+  auto bar_full_v = [&](int s) { return base + kSmemBar + 8 * (2 + kStages + s); };
+  auto bar_empty_k = [&](int s) { return base + kSmemBar + 8 * (2 + 2 * kStages + s); };
+  auto bar_empty_v = [&](int s) { return base + kSmemBar + 8 * (2 + 3 * kStages + s); };
+  auto bar_tile_full = [&](int s) { return base + kSmemBar + 8 * (2 + 4 * kStages + s); };
+  auto bar_tile_empty = [&](int s) { return base + kSmemBar + 8 * (4 + 4 * kStages + s); };
+  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + kSmemBar + 8 * kNumBars);
+
+  const int warp_group = threadIdx.x / 128;
+  if (threadIdx.x == 0) {
+    mbar_init(bar_q_full, 1);
+    mbar_init(bar_q_empty, 256);
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(bar_full_k(s), 1);
+      mbar_init(bar_full_v(s), 1);
+      mbar_init(bar_empty_k(s), 256);
+      mbar_init(bar_empty_v(s), 256);
+    }
+    for (int s = 0; s < 2; ++s) {
+      mbar_init(bar_tile_full(s), 1);
+      mbar_init(bar_tile_empty(s), 256);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+  }
+  __syncthreads();
+
+  if (warp_group == 0) {
+    // Producer: one thread takes tiles (its first from the grid, the next from a counter), hands
+    // each to the consumers through a two-slot ring, and loads the tile's Q and its K / V tiles.
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
+    if (threadIdx.x == 0) {
+      const int total = p.tile_prefix[p.batch];
+      int tile = blockIdx.x, kv_it = 0, q_it = 0;
+      for (int iter = 0;; ++iter) {
+        const int slot = iter & 1;
+        mbar_wait(bar_tile_empty(slot), ((iter >> 1) & 1) ^ 1);
+        tile_slot[slot] = tile < total ? tile : -1;
+        mbar_arrive(bar_tile_full(slot));
+        if (tile >= total) break;
+        const TileInfo ti = decode_tile(p, tile);
+        if (ti.n_blocks > 0) {
+          mbar_wait(bar_q_empty, (q_it & 1) ^ 1);
+          ++q_it;
+          const int q_row = static_cast<int>(ti.q_start) + ti.m_block * kBM;
+          mbar_expect_tx(bar_q_full, kQBytes);
+#pragma unroll
+          for (int c = 0; c < kDqk / 64; ++c)
+            tma_load_3d(base + kSmemQ + c * kBM * 128, &tq, c * 64, ti.h, q_row, bar_q_full);
+          const int hk = ti.h / (p.hq / p.hk);
+          for (int it = 0; it < ti.n_blocks; ++it, ++kv_it) {
+            const int s = kv_it % kStages;
+            const uint32_t phase = (kv_it / kStages) & 1;
+            const int k_row = static_cast<int>(ti.k_start) + (ti.n_blocks - 1 - it) * kBN;
+            mbar_wait(bar_empty_k(s), phase ^ 1);
+            mbar_expect_tx(bar_full_k(s), kKBytes);
+#pragma unroll
+            for (int c = 0; c < kDqk / 64; ++c)
+              tma_load_3d(base + kSmemK + s * kKBytes + c * kBN * 128, &tk, c * 64, hk, k_row,
+                          bar_full_k(s));
+            mbar_wait(bar_empty_v(s), phase ^ 1);
+            mbar_expect_tx(bar_full_v(s), kVBytes);
+#pragma unroll
+            for (int c = 0; c < kDv / 64; ++c)
+              tma_load_3d(base + kSmemV + s * kVBytes + c * kBN * 128, &tv, c * 64, hk, k_row,
+                          bar_full_v(s));
+          }
+        }
+        tile = static_cast<int>(gridDim.x) + atomicAdd(p.counter, 1);
+      }
+    }
+    return;
+  }
+
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 232;\n");
+  const int wg = warp_group - 1;  // 0 or 1: query rows 64 * wg ...
+  const int t = threadIdx.x % 128;
+  const int warp = t / 32, lane = t % 32;
+  const int r0 = wg * 64 + warp * 16 + lane / 4;  // this thread's rows r0 and r0 + 8 of the tile
+  const float sl2 = p.scale_log2;
+  const uint32_t q_base = base + kSmemQ + wg * 64 * 128;
+
+  float o[64];
+  float sacc[64];
+  uint32_t pa[8][4];
+  float m0, m1, l0, l1;
+  int lk = 0, row0 = 0, row1 = 0, shift = 0, m_block = 0;
+
+  // S = Q K^T for the key tile of stage s, issued (not waited for).
+  auto issue_s = [&](int s) {
+    const uint32_t k_base = base + kSmemK + s * kKBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kDqk / 16; ++kk) {
+      const uint32_t chunk = kk / 4, off = (kk % 4) * 32;
+      wgmma_ss<kHalf>(sacc, smem_desc(q_base + chunk * kBM * 128 + off, 16, 1024),
+                      smem_desc(k_base + chunk * kBN * 128 + off, 16, 1024), kk > 0);
+    }
+    wgmma_commit();
+  };
+  // O += P V for the value tile of stage s, issued.
+  auto issue_pv = [&](int s) {
+    const uint32_t v_base = base + kSmemV + s * kVBytes;
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kBN / 16; ++j)
+      wgmma_rs<kHalf>(o, pa[j], smem_desc(v_base + j * 16 * 128, kBN * 128, 1024));
+    wgmma_commit();
+  };
+  // Masks sacc (key tile n_block), updates the running max and sum, turns sacc into P (fp32)
+  // and gives the factors the accumulated O must be scaled by.
+  auto softmax = [&](int n_block, float& alpha0, float& alpha1) {
+    const int key0 = n_block * kBN;
+    const bool need_mask =
+        key0 + kBN > lk || (p.causal && key0 + kBN - 1 > m_block * kBM + wg * 64 + shift);
+    if (need_mask) {
+      const int lim0 = p.causal ? min(lk, row0 + shift + 1) : lk;
+      const int lim1 = p.causal ? min(lk, row1 + shift + 1) : lk;
+#pragma unroll
+      for (int c = 0; c < 16; ++c) {
+        const int j = key0 + c * 8 + 2 * (lane % 4);
+        if (j >= lim0) sacc[4 * c + 0] = -INFINITY;
+        if (j + 1 >= lim0) sacc[4 * c + 1] = -INFINITY;
+        if (j >= lim1) sacc[4 * c + 2] = -INFINITY;
+        if (j + 1 >= lim1) sacc[4 * c + 3] = -INFINITY;
+      }
+    }
+    float mx0 = m0, mx1 = m1;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      mx0 = fmaxf(mx0, fmaxf(sacc[4 * c + 0], sacc[4 * c + 1]));
+      mx1 = fmaxf(mx1, fmaxf(sacc[4 * c + 2], sacc[4 * c + 3]));
+    }
+    mx0 = quad_max(mx0);
+    mx1 = quad_max(mx1);
+    // The running max moves only when a row's max grows by more than 2^8 in exp2 units: below
+    // that the stale max keeps every exponent <= 8 (no overflow in fp32), and O needs no rescale.
+    if (mx0 * sl2 - m0 * sl2 <= 8.f) mx0 = m0;
+    if (mx1 * sl2 - m1 * sl2 <= 8.f) mx1 = m1;
+    const float ms0 = mx0 == -INFINITY ? 0.f : mx0 * sl2;
+    const float ms1 = mx1 == -INFINITY ? 0.f : mx1 * sl2;
+    alpha0 = mx0 == m0 ? 1.f : ex2(m0 * sl2 - ms0);
+    alpha1 = mx1 == m1 ? 1.f : ex2(m1 * sl2 - ms1);
+    m0 = mx0;
+    m1 = mx1;
+    float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+    for (int c = 0; c < 16; ++c) {
+      sacc[4 * c + 0] = ex2(fmaf(sacc[4 * c + 0], sl2, -ms0));
+      sacc[4 * c + 1] = ex2(fmaf(sacc[4 * c + 1], sl2, -ms0));
+      sacc[4 * c + 2] = ex2(fmaf(sacc[4 * c + 2], sl2, -ms1));
+      sacc[4 * c + 3] = ex2(fmaf(sacc[4 * c + 3], sl2, -ms1));
+      s0 += sacc[4 * c + 0] + sacc[4 * c + 1];
+      s1 += sacc[4 * c + 2] + sacc[4 * c + 3];
+    }
+    l0 = fmaf(l0, alpha0, s0);
+    l1 = fmaf(l1, alpha1, s1);
+  };
+  auto to_pa = [&]() {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      pa[j][0] = pack2<kHalf>(sacc[8 * j + 0], sacc[8 * j + 1]);
+      pa[j][1] = pack2<kHalf>(sacc[8 * j + 2], sacc[8 * j + 3]);
+      pa[j][2] = pack2<kHalf>(sacc[8 * j + 4], sacc[8 * j + 5]);
+      pa[j][3] = pack2<kHalf>(sacc[8 * j + 6], sacc[8 * j + 7]);
+    }
+  };
+  // The two consumer warpgroups take turns issuing their GEMMs (named barriers 1 and 2), so one
+  // runs its softmax while the other's GEMMs hold the tensor cores.
+  auto sched_sync = [&]() { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory"); };
+  auto sched_arrive = [&]() { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory"); };
+
+  int kv_it = 0, q_it = 0;
+  for (int iter = 0;; ++iter) {
+    const int slot = iter & 1;
+    mbar_wait(bar_tile_full(slot), (iter >> 1) & 1);
+    const int tile = tile_slot[slot];
+    mbar_arrive(bar_tile_empty(slot));
+    if (tile < 0) break;
+    const TileInfo ti = decode_tile(p, tile);
+    const int n_blocks = ti.n_blocks, lq = ti.lq, h = ti.h;
+    const int64_t q_start = ti.q_start;
+    lk = ti.lk;
+    m_block = ti.m_block;
+    row0 = m_block * kBM + r0;
+    row1 = row0 + 8;
+    shift = p.causal ? (p.bottom_right ? lk - lq : 0) : 0;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) o[i] = 0.f;
+    m0 = -INFINITY;
+    m1 = -INFINITY;
+    l0 = 0.f;
+    l1 = 0.f;
+
+    if (n_blocks > 0) {
+      mbar_wait(bar_q_full, q_it & 1);
+      ++q_it;
+      if (wg == 1) sched_arrive();
+      // Key tile 0: S, softmax, P. Then for each next tile the S GEMM of tile it and the PV
+      // GEMM of tile it - 1 run on the tensor cores while this warpgroup does the softmax of
+      // tile it.
+      {
+        const int s = kv_it % kStages;
+        mbar_wait(bar_full_k(s), (kv_it / kStages) & 1);
+        issue_s(s);
+        wgmma_wait<0>();
+        fence_regs(sacc);
+        mbar_arrive(bar_empty_k(s));
+        if (n_blocks == 1) mbar_arrive(bar_q_empty);
+      }
+      float a0, a1;
+      softmax(n_blocks - 1, a0, a1);
+      to_pa();
+      for (int it = 1; it < n_blocks; ++it) {
+        const int g = kv_it + it;
+        const int s = g % kStages, sp = (g - 1) % kStages;
+        mbar_wait(bar_full_k(s), (g / kStages) & 1);
+        sched_sync();
+        issue_s(s);
+        mbar_wait(bar_full_v(sp), ((g - 1) / kStages) & 1);
+        issue_pv(sp);
+        sched_arrive();
+        wgmma_wait<1>();
+        fence_regs(sacc);
+        mbar_arrive(bar_empty_k(s));
+        if (it == n_blocks - 1) mbar_arrive(bar_q_empty);
+        softmax(n_blocks - 1 - it, a0, a1);
+        wgmma_wait<0>();
+        fence_regs(o);
+        mbar_arrive(bar_empty_v(sp));
+        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+#pragma unroll
+          for (int c = 0; c < 16; ++c) {
+            o[4 * c + 0] *= a0;
+            o[4 * c + 1] *= a0;
+            o[4 * c + 2] *= a1;
+            o[4 * c + 3] *= a1;
+          }
+        }
+        to_pa();
+      }
+      const int gl = kv_it + n_blocks - 1;
+      const int sl = gl % kStages;
+      mbar_wait(bar_full_v(sl), (gl / kStages) & 1);
+      sched_sync();
+      issue_pv(sl);
+      if (wg == 0) sched_arrive();
+      wgmma_wait<0>();
+      fence_regs(o);
+      mbar_arrive(bar_empty_v(sl));
+      kv_it += n_blocks;
+    }
+
+    // Epilogue: normalise, write O and the log-sum-exp of the rows inside the sequence.
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    constexpr float kLn2 = 0.6931471805599453f;
+    using Elem = uint32_t;
+    Elem* out = static_cast<Elem*>(p.out);
+    const int64_t ostride = static_cast<int64_t>(p.hq) * kDv / 2;  // in element pairs
+    if (row0 < lq) {
+      const int64_t r = q_start + row0;
+      Elem* dst = out + r * ostride + static_cast<int64_t>(h) * kDv / 2 + (lane % 4);
+  #pragma unroll
+      for (int c = 0; c < 16; ++c) dst[c * 4] = pack2<kHalf>(o[4 * c] * inv0, o[4 * c + 1] * inv0);
+      if (lane % 4 == 0)
+        p.lse[r * p.hq + h] = l0 > 0.f ? (m0 * sl2 + __log2f(l0)) * kLn2 : INFINITY;
+    }
+    if (row1 < lq) {
+      const int64_t r = q_start + row1;
+      Elem* dst = out + r * ostride + static_cast<int64_t>(h) * kDv / 2 + (lane % 4);
+  #pragma unroll
+      for (int c = 0; c < 16; ++c)
+        dst[c * 4] = pack2<kHalf>(o[4 * c + 2] * inv1, o[4 * c + 3] * inv1);
+      if (lane % 4 == 0)
+        p.lse[r * p.hq + h] = l1 > 0.f ? (m1 * sl2 + __log2f(l1)) * kLn2 : INFINITY;
+    }
+  }
+#endif
+}
+
+// The tile schedule, one block of kScheduleThreads: order[rank] = b ranks the sequences by query
+// length, longest first (ties: lower index first; past kScheduleThreads sequences the input
+// order, as the ranking is one thread per sequence against all others), tile_prefix[rank] is the
+// first tile of that sequence and tile_prefix[batch] the total; the counter is zeroed.
+constexpr int kScheduleThreads = 1024;
+
+__global__ void __launch_bounds__(kScheduleThreads)
+    schedule_kernel(const int32_t* __restrict__ cu_q, int64_t tq, int batch, int hq,
+                    int32_t* __restrict__ order, int32_t* __restrict__ tile_prefix,
+                    int32_t* __restrict__ counter) {
+  __shared__ int by_rank[kScheduleThreads];
+  __shared__ int scan[kScheduleThreads];
+  const int tid = threadIdx.x;
+  const bool ranked = batch <= kScheduleThreads;
+  auto tiles = [&](int b) { return (clamp_len(cu_q, b, tq) + kBM - 1) / kBM * hq; };
+  int local = 0;  // tiles of the ranks this thread owns
+  const int per = ranked ? 1 : (batch + kScheduleThreads - 1) / kScheduleThreads;
+  const int first = tid * per, last = min(batch, first + per);
+  if (ranked) {
+    if (tid < batch) {
+      const int lb = clamp_len(cu_q, tid, tq);
+      int rank = 0;
+      for (int c = 0; c < batch; ++c) {
+        const int lc = clamp_len(cu_q, c, tq);
+        rank += (lc > lb) || (lc == lb && c < tid);
+      }
+      order[rank] = tid;
+      by_rank[rank] = tiles(tid);
+    }
+    __syncthreads();
+    local = tid < batch ? by_rank[tid] : 0;
+  } else {
+    for (int b = first; b < last; ++b) {
+      order[b] = b;
+      local += tiles(b);
+    }
+  }
+  scan[tid] = local;
+  __syncthreads();
+  for (int off = 1; off < kScheduleThreads; off <<= 1) {
+    const int add = tid >= off ? scan[tid - off] : 0;
+    __syncthreads();
+    scan[tid] += add;
+    __syncthreads();
+  }
+  int running = scan[tid] - local;
+  if (ranked) {
+    if (tid < batch) tile_prefix[tid] = running;
+  } else {
+    for (int b = first; b < last; ++b) {
+      tile_prefix[b] = running;
+      running += tiles(b);
+    }
+  }
+  if (tid == kScheduleThreads - 1) tile_prefix[batch] = scan[tid];
+  if (tid == 0) *counter = 0;
+}
+
+PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* ptr = nullptr;
+    cudaDriverEntryPointQueryResult q{};
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
+                                                             cudaEnableDefault, &q);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr,
+                                                    cudaEnableDefault, &q);
+#endif
+    if (err == cudaSuccess && q == cudaDriverEntryPointSuccess && ptr != nullptr)
+      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
+    else
+      (void)cudaGetLastError();
+  });
+  return fn;
+}
+
+// [rows, heads, d] rows as a 3-D map (d, heads, rows), a box of 64 columns x 1 head x box_rows,
+// 128-byte swizzle (the wgmma operand layout).
+bool make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t heads, int64_t d,
+              int box_rows, bool half) {
+  auto fn = encode_fn();
+  if (fn == nullptr) return false;
+  cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(heads),
+                        static_cast<cuuint64_t>(rows)};
+  cuuint64_t strides[2] = {static_cast<cuuint64_t>(d * 2), static_cast<cuuint64_t>(heads * d * 2)};
+  cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
+  cuuint32_t elem[3] = {1, 1, 1};
+  return fn(map, half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
+            const_cast<void*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+int sm_count() {
+  int dev = 0, n = 0;
+  if (cudaGetDevice(&dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+    (void)cudaGetLastError();
+    return 132;
+  }
+  return n;
+}
+
+template <bool kHalf>
+cudaError_t launch(const Sm90FwdArgs& a, const Params& p, cudaStream_t stream) {
+  CUtensorMap mq, mk, mv;
+  if (!make_map(&mq, a.q, a.tq, a.hq, kDqk, kBM, kHalf) ||
+      !make_map(&mk, a.k, a.tk, a.hk, kDqk, kBN, kHalf) ||
+      !make_map(&mv, a.v, a.tk, a.hk, kDv, kBN, kHalf))
+    return cudaErrorInvalidValue;
+  auto kernel = mla_sm90_fwd_kernel<kHalf>;
+  static std::once_flag once;
+  static cudaError_t attr = cudaSuccess;
+  std::call_once(once, [&] {
+    attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+  });
+  if (attr != cudaSuccess) return attr;
+    // Persistent: one CTA per SM at most, never more than there can be tiles.
+  const int64_t tiles_bound = a.hq * ((a.tq + kBM - 1) / kBM + a.batch);
+  dim3 grid(static_cast<unsigned>(std::min<int64_t>(sm_count(), tiles_bound)));
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(mq, mk, mv, p);
+  return cudaGetLastError();
+}
+
+}  // namespace
+
+bool sm90_forward_compiled() {
+#if defined(VERL_OPS_HAS_SM90A)
+  return true;
+#else
+  return false;
+#endif
+}
+
+bool sm90_forward_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("VERL_OPS_VARLEN_FORWARD");
+    return sm90_forward_compiled() && !(env != nullptr && std::strcmp(env, "cudnn") == 0);
+  }();
+  return enabled;
+}
+
+bool sm90_forward_device(int device) {
+  // 0: not queried yet, 1: no, 2: yes (static storage: zero-initialised).
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];
+  if (!sm90_forward_enabled() || device < 0 || device >= kMaxDevices) return false;
+  int k = known[device].load(std::memory_order_relaxed);
+  if (k == 0) {
+    int major = 0, minor = 0;
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();
+    k = ok && major == 9 && minor == 0 ? 2 : 1;
+    known[device].store(k, std::memory_order_relaxed);
+  }
+  return k == 2;
+}
+
+cudaError_t launch_sm90_forward(const Sm90FwdArgs& a, cudaStream_t stream) {
+  if (a.tq <= 0 || a.batch <= 0) return cudaSuccess;
+  if (a.tk <= 0) return cudaSuccess;  // every row sees no key: the caller's empty-rows pass
+  Params p;
+  p.order = a.workspace;
+  p.tile_prefix = a.workspace + a.batch;
+  p.counter = a.workspace + 2 * a.batch + 1;
+  schedule_kernel<<<1, kScheduleThreads, 0, stream>>>(
+      a.cu_q, a.tq, static_cast<int>(a.batch), static_cast<int>(a.hq), a.workspace,
+      a.workspace + a.batch, p.counter);
+  p.cu_q = a.cu_q;
+  p.cu_kv = a.cu_kv;
+  p.out = a.out;
+  p.lse = a.lse;
+  p.tq = a.tq;
+  p.tk = a.tk;
+  p.hq = static_cast<int>(a.hq);
+  p.hk = static_cast<int>(a.hk);
+  p.batch = static_cast<int>(a.batch);
+  p.scale = a.scale;
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.causal = a.causal ? 1 : 0;
+  p.bottom_right = a.bottom_right ? 1 : 0;
+  return a.half ? launch<true>(a, p, stream) : launch<false>(a, p, stream);
+}
+
+}  // namespace cuda
+}  // namespace verl_ops

@@ -1,0 +1,40 @@
+// Forward attention for MLA shapes (Dqk 192, Dv 128) on Hopper, see mla_sm90_fwd.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace verl_ops {
+namespace cuda {
+
+struct Sm90FwdArgs {
+  const void* q;  // [tq, hq, 192], contiguous, 16-byte aligned
+  const void* k;  // [tk, hk, 192]
+  const void* v;  // [tk, hk, 128]
+  void* out;      // [tq, hq, 128]
+  float* lse;     // [tq, hq]
+  const int32_t* cu_q;
+  const int32_t* cu_kv;
+  int32_t* workspace;  // sm90_forward_workspace_ints(batch) int32 on the device
+  int64_t batch, tq, tk, hq, hk, max_seqlen_q;
+  float scale;
+  bool causal, bottom_right, half;
+};
+
+inline int64_t sm90_forward_workspace_ints(int64_t batch) { return 2 * batch + 2; }
+
+// Whether this build holds the SM90a kernel (TORCH_CUDA_ARCH_LIST with 9.0a, see setup.py).
+bool sm90_forward_compiled();
+// ... and the varlen backend runs its forward with it: compiled, and not turned off by
+// VERL_OPS_VARLEN_FORWARD=cudnn (read once).
+bool sm90_forward_enabled();
+// ... on this device: enabled and compute capability 9.0 (cached per device; no sync).
+bool sm90_forward_device(int device);
+
+// Writes out and lse for every row some key is visible to; rows that see no key are left to the
+// caller (the varlen backend's empty-rows pass writes zeros and +inf there).
+cudaError_t launch_sm90_forward(const Sm90FwdArgs& a, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace verl_ops
