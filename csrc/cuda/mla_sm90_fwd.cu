@@ -654,12 +654,17 @@ cudaError_t launch(const Sm90FwdArgs& a, const Params& p, cudaStream_t stream) {
       !make_map(&mv, a.v, a.tk, a.hk, kDv, kBN, kHalf))
     return cudaErrorInvalidValue;
   auto kernel = mla_sm90_fwd_kernel<kHalf>;
-  static std::once_flag once;
-  static cudaError_t attr = cudaSuccess;
-  std::call_once(once, [&] {
-    attr = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
-  });
-  if (attr != cudaSuccess) return attr;
+  // The shared-memory opt-in, once per device (function attributes are per device context).
+  constexpr int kMaxDevices = 64;
+  static std::atomic<bool> opted_in[kMaxDevices];
+  int dev = 0;
+  cudaError_t err = cudaGetDevice(&dev);
+  if (err != cudaSuccess) return err;
+  if (dev < 0 || dev >= kMaxDevices || !opted_in[dev].load(std::memory_order_acquire)) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes);
+    if (err != cudaSuccess) return err;
+    if (dev >= 0 && dev < kMaxDevices) opted_in[dev].store(true, std::memory_order_release);
+  }
     // Persistent: one CTA per SM at most, never more than there can be tiles.
   const int64_t tiles_bound = a.hq * ((a.tq + kBM - 1) / kBM + a.batch);
   dim3 grid(static_cast<unsigned>(std::min<int64_t>(sm_count(), tiles_bound)));

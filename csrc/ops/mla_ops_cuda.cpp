@@ -352,10 +352,13 @@ std::tuple<Tensor, Tensor> varlen_forward(const char* op, const Tensor& q, const
                                           const Tensor& cu_seqlens_kv, const MlaSizes& s,
                                           int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
                                           double scale) {
-  if (s.dqk == 192 && s.dv == 128 && cuda::sm90_forward_device(q.get_device_index())) {
-    // MLA's head dims on Hopper: the own SM90 kernel (csrc/cuda/mla_sm90_fwd.cu), which writes
-    // the same outputs as cuDNN's forward (every row of every sequence, +inf log-sum-exp where a
-    // row sees no key), so cuDNN's backward reads them unchanged. No plan, no host read.
+  constexpr int64_t kInt32Rows = std::numeric_limits<int32_t>::max();
+  if (s.dqk == 192 && s.dv == 128 && s.tq < kInt32Rows && s.tk < kInt32Rows &&
+      cuda::sm90_forward_device(q.get_device_index())) {
+    // MLA's head dims on Hopper (rows addressed by TMA's int32 coordinates): the own SM90 kernel
+    // (csrc/cuda/mla_sm90_fwd.cu), which writes the same outputs as cuDNN's forward (every row of
+    // every sequence, +inf log-sum-exp where a row sees no key), so cuDNN's backward reads them
+    // unchanged. No plan, no host read.
     const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
     const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
     Tensor out = st::empty(q, {s.tq, s.hq, s.dv}, q.scalar_type());
