@@ -214,7 +214,10 @@ def _hopper_arch_list():
     compute capability 9.0 is H100 / H200 / GH200 only, every one of which runs sm_90a code, and
     csrc/cuda/mla_sm90_fwd.cu needs the "a" features (wgmma, setmaxnreg)."""
     entries = [e for e in re.split(r"[;\s]+", os.environ.get("TORCH_CUDA_ARCH_LIST", "")) if e]
-    rewritten = ["9.0a" if e == "9.0" else e for e in entries]
+    rewritten = []
+    for e in ("9.0a" if e == "9.0" else e for e in entries):
+        if e not in rewritten:
+            rewritten.append(e)
     if rewritten != entries:
         print(f"verl_ops: TORCH_CUDA_ARCH_LIST {';'.join(entries)} -> {';'.join(rewritten)} (sm_90a: the SM90 attention kernel)")
         os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(rewritten)

@@ -702,7 +702,8 @@ bool sm90_forward_device(int device) {
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
         cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
     if (!ok) (void)cudaGetLastError();
-    k = ok && major == 9 && minor == 0 ? 2 : 1;
+    // ... and the driver gives the tensor-map encoder (else cuDNN's forward runs).
+    k = ok && major == 9 && minor == 0 && encode_fn() != nullptr ? 2 : 1;
     known[device].store(k, std::memory_order_relaxed);
   }
   return k == 2;
