@@ -17,6 +17,11 @@
 //   key tile j + 1 and the PV GEMM of tile j are in flight while the softmax of tile j + 1 runs,
 //   and the two warpgroups take turns issuing GEMMs (named barriers), so one's softmax overlaps
 //   the other's GEMMs.
+// - Two details the SASS needs (checked with nvdisasm; benchmarks/prof_mla_sm90_ab.sh measures
+//   them): the descriptors derive from warp-uniform values (a shuffle from lane 0), so they live
+//   in uniform registers and the 20 wgmmas of a key tile issue back to back; and a store of the
+//   softmax's row sums sits before the wait for the PV GEMM, so ptxas cannot hoist that wait
+//   above the softmax (it did, which ran the softmax after the GEMM instead of beside it).
 // Writes O [Tq, Hq, 128] and the natural-log log-sum-exp [Tq, Hq] (+inf for a row that sees no
 // key) of every row of every sequence: the layout cuDNN's backward reads.
 #include "mla_sm90_fwd.h"
@@ -53,7 +58,9 @@ constexpr int kSmemK = kSmemQ + kQBytes;
 constexpr int kSmemV = kSmemK + kStages * kKBytes;
 constexpr int kSmemBar = kSmemV + kStages * kVBytes;
 constexpr int kNumBars = 2 + 4 * kStages + 4;  // q full / empty, K / V full / empty, tile ring
-constexpr int kSmemBytes = kSmemBar + kNumBars * 8 + 2 * 4 + 1024;  // + slack to align the base to 1 KiB
+constexpr int kSmemSlots = kSmemBar + kNumBars * 8;  // the tile ring's two tile indices
+constexpr int kSmemScratch = kSmemSlots + 2 * 4;     // a word written, never read (see the loop)
+constexpr int kSmemBytes = kSmemScratch + 8 + 1024;  // + slack to align the base to 1 KiB
 
 struct Params {
   const int32_t* order;        // [batch]: sequences, longest first
@@ -128,6 +135,13 @@ __device__ __forceinline__ void wgmma_wait() {
 __device__ __forceinline__ void fence_regs(float (&d)[64]) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// The descriptor of the operand at 16-byte offset `off16` from the one of d0: the low word's
+// address field plus the offset (shared addresses stay below 2^18, so it never carries into the
+// leading-byte-offset field); the high word (stride, swizzle) is shared.
+__device__ __forceinline__ uint64_t desc_at(uint64_t d0, uint32_t off16) {
+  return (d0 & 0xFFFFFFFF00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(d0) + off16);
 }
 
 // D[64x128] (+)= A[64x16] (shared, K-major) * B[16x128] (shared, K-major).
@@ -265,9 +279,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto bar_empty_v = [&](int s) { return base + kSmemBar + 8 * (2 + 3 * kStages + s); };
   auto bar_tile_full = [&](int s) { return base + kSmemBar + 8 * (2 + 4 * kStages + s); };
   auto bar_tile_empty = [&](int s) { return base + kSmemBar + 8 * (4 + 4 * kStages + s); };
-  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + kSmemBar + 8 * kNumBars);
+  volatile int* tile_slot = reinterpret_cast<volatile int*>(smem + kSmemSlots);
 
-  const int warp_group = threadIdx.x / 128;
+  // Warp-uniform values read through a shuffle from lane 0: ptxas then keeps what derives from
+  // them (the wgmma descriptors) in uniform registers, and the GEMMs issue back to back.
+  const int warp_group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x / 128), 0);
   if (threadIdx.x == 0) {
     mbar_init(bar_q_full, 1);
     mbar_init(bar_q_empty, 256);
@@ -347,24 +363,28 @@ __global__ void __launch_bounds__(kThreads, 1)
   int lk = 0, row0 = 0, row1 = 0, shift = 0, m_block = 0;
 
   // S = Q K^T for the key tile of stage s, issued (not waited for).
-  auto issue_s = [&](int s) {
-    const uint32_t k_base = base + kSmemK + s * kKBytes;
+  auto issue_s = [&](int stage) {
+    const int s = __shfl_sync(0xffffffffu, stage, 0);  // warp-uniform (see warp_group)
+    // One descriptor per operand, the k-steps as constant offsets of its address field (in 16 B
+    // units; shared addresses stay below 2^18, so the field never carries into the next one).
+    const uint64_t dq = smem_desc(q_base, 16, 1024);
+    const uint64_t dk = smem_desc(base + kSmemK + s * kKBytes, 16, 1024);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kDqk / 16; ++kk) {
       const uint32_t chunk = kk / 4, off = (kk % 4) * 32;
-      wgmma_ss<kHalf>(sacc, smem_desc(q_base + chunk * kBM * 128 + off, 16, 1024),
-                      smem_desc(k_base + chunk * kBN * 128 + off, 16, 1024), kk > 0);
+      wgmma_ss<kHalf>(sacc, desc_at(dq, (chunk * kBM * 128 + off) >> 4),
+                      desc_at(dk, (chunk * kBN * 128 + off) >> 4), kk > 0);
     }
     wgmma_commit();
   };
   // O += P V for the value tile of stage s, issued.
-  auto issue_pv = [&](int s) {
-    const uint32_t v_base = base + kSmemV + s * kVBytes;
+  auto issue_pv = [&](int stage) {
+    const int s = __shfl_sync(0xffffffffu, stage, 0);
+    const uint64_t dv = smem_desc(base + kSmemV + s * kVBytes, kBN * 128, 1024);
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < kBN / 16; ++j)
-      wgmma_rs<kHalf>(o, pa[j], smem_desc(v_base + j * 16 * 128, kBN * 128, 1024));
+    for (int j = 0; j < kBN / 16; ++j) wgmma_rs<kHalf>(o, pa[j], desc_at(dv, (j * 16 * 128) >> 4));
     wgmma_commit();
   };
   // Masks sacc (key tile n_block), updates the running max and sum, turns sacc into P (fp32)
@@ -399,8 +419,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (mx1 * sl2 - m1 * sl2 <= 8.f) mx1 = m1;
     const float ms0 = mx0 == -INFINITY ? 0.f : mx0 * sl2;
     const float ms1 = mx1 == -INFINITY ? 0.f : mx1 * sl2;
-    alpha0 = mx0 == m0 ? 1.f : ex2(m0 * sl2 - ms0);
-    alpha1 = mx1 == m1 ? 1.f : ex2(m1 * sl2 - ms1);
+    // Branch-free (ex2 always, then a select): a data-dependent branch here would make ptxas
+    // wait for the in-flight PV GEMM before the softmax instead of overlapping the two.
+    const float e0 = ex2(m0 * sl2 - ms0), e1 = ex2(m1 * sl2 - ms1);
+    alpha0 = mx0 == m0 ? 1.f : e0;
+    alpha1 = mx1 == m1 ? 1.f : e1;
     m0 = mx0;
     m1 = mx1;
     float s0 = 0.f, s1 = 0.f;
@@ -485,6 +508,13 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive(bar_empty_k(s));
         if (it == n_blocks - 1) mbar_arrive(bar_q_empty);
         softmax(n_blocks - 1 - it, a0, a1);
+#ifndef VERL_OPS_SM90_NO_SOFTMAX_FENCE
+        // ptxas schedules the wait for the PV GEMM early, before most of the softmax, which then
+        // runs after the GEMM instead of beside it. A shared-memory store of the row sums (a
+        // scratch word nobody reads) depends on every exponential of the softmax and is not moved
+        // past the wait, so the softmax stays ahead of it.
+        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(base + kSmemScratch), "f"(l0 + l1) : "memory");
+#endif
         wgmma_wait<0>();
         fence_regs(o);
         mbar_arrive(bar_empty_v(sp));
