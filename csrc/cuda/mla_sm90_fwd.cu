@@ -115,6 +115,15 @@ __device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map
       : "memory");
 }
 
+// An L2 prefetch of the box a tma_load_3d with these coordinates would load (a hint: no
+// shared memory, no barrier).
+__device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* map, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+
 // Shared-memory matrix descriptor, 128-byte swizzle (bits 62-63 = 1).
 __device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return (static_cast<uint64_t>((addr & 0x3FFFF) >> 4)) |
@@ -315,6 +324,27 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive(bar_tile_full(slot));
         if (tile >= total) break;
         const TileInfo ti = decode_tile(p, tile);
+#if defined(VERL_OPS_SM90_PREFETCH_NEXT)
+        // Experimental (off by default): claim the next tile now, a tile ahead, and prefetch its
+        // Q and first K / V tiles into L2, so that its loads do not wait on DRAM at the tile
+        // boundary.
+        const int next = static_cast<int>(gridDim.x) + atomicAdd(p.counter, 1);
+        if (next < total) {
+          const TileInfo tn = decode_tile(p, next);
+          if (tn.n_blocks > 0) {
+            const int q_row = static_cast<int>(tn.q_start) + tn.m_block * kBM;
+            const int k_row = static_cast<int>(tn.k_start) + (tn.n_blocks - 1) * kBN;
+            const int hk = tn.h / (p.hq / p.hk);
+#pragma unroll
+            for (int c = 0; c < kDqk / 64; ++c) {
+              tma_prefetch_3d(&tq, c * 64, tn.h, q_row);
+              tma_prefetch_3d(&tk, c * 64, hk, k_row);
+            }
+#pragma unroll
+            for (int c = 0; c < kDv / 64; ++c) tma_prefetch_3d(&tv, c * 64, hk, k_row);
+          }
+        }
+#endif
         if (ti.n_blocks > 0) {
           mbar_wait(bar_q_empty, (q_it & 1) ^ 1);
           ++q_it;
@@ -342,7 +372,11 @@ __global__ void __launch_bounds__(kThreads, 1)
                           bar_full_v(s));
           }
         }
+#if defined(VERL_OPS_SM90_PREFETCH_NEXT)
+        tile = next;
+#else
         tile = static_cast<int>(gridDim.x) + atomicAdd(p.counter, 1);
+#endif
       }
     }
     return;
