@@ -51,6 +51,53 @@ __global__ void ref_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const
   lse[idx] = l > 0 ? m + logf(l) : INFINITY;
 }
 
+#if defined(VERL_OPS_SM90_TRACE)
+// Where a tile's time goes (built with -DVERL_OPS_SM90_TRACE, run with TRACE=1): the consumer
+// warpgroups' stamps per tile (see mla_sm90_fwd.h), summed over every traced tile, as mean
+// cycles per tile and share of the warpgroups' time; the producer's wait for the Q buffer.
+static void trace_report() {
+  using namespace verl_ops::cuda;
+  const int C = kSm90TraceCtas, K = kSm90TraceTiles, E = kSm90TraceEvents;
+  std::vector<long long> tr((size_t)C * 3 * K * E);
+  CK(sm90_trace_read(tr.data()));
+  auto at = [&](int c, int r, int k, int e) { return tr[(((size_t)c * 3 + r) * K + k) * E + e]; };
+  double part[7] = {0, 0, 0, 0, 0, 0, 0}, span = 0, iters = 0, p_q = 0, p_kv = 0;
+  long tiles = 0, full = 0, keyed = 0, ptiles = 0;
+  for (int c = 0; c < C; ++c) {
+    for (int r = 1; r <= 2; ++r) {
+      int k = 0;
+      for (; k < K && at(c, r, k, 0) != 0; ++k) {
+        const long long n = at(c, r, k, 7), e0 = at(c, r, k, 0), e6 = at(c, r, k, 6);
+        if (n > 0) {
+          for (int e = 1; e <= 6; ++e) part[e - 1] += at(c, r, k, e) - at(c, r, k, e - 1);
+          iters += n - 1;
+          ++keyed;
+        } else {
+          part[5] += e6 - e0;
+        }
+        if (k + 1 < K && at(c, r, k + 1, 0) != 0) part[6] += at(c, r, k + 1, 0) - e6;
+        ++tiles;
+      }
+      if (k > 0) span += at(c, r, k - 1, 6) - at(c, r, 0, 0);
+      if (k == K) ++full;
+    }
+    for (int k = 0; k < K && at(c, 0, k, 0) != 0; ++k) {
+      if (at(c, 0, k, 7) > 0) { p_q += at(c, 0, k, 1) - at(c, 0, k, 0); p_kv += at(c, 0, k, 2) - at(c, 0, k, 1); }
+      ++ptiles;
+    }
+  }
+  if (tiles == 0 || span <= 0) { printf("TRACE no tiles\n"); return; }
+  const char* names[7] = {"wait Q", "first S", "first softmax", "main loop", "last PV", "epilogue", "to next tile"};
+  printf("TRACE %ld warpgroup tiles (%ld with keys, %.2f key tiles each; %ld warpgroups hit the %d-tile cap)\n",
+         tiles, keyed, keyed ? 1.0 + iters / keyed : 0.0, full, K);
+  for (int i = 0; i < 7; ++i)
+    printf("TRACE %-14s %9.0f cycles/tile %5.1f%%%s\n", names[i], part[i] / (i < 5 ? (keyed ? keyed : 1) : tiles),
+           100.0 * part[i] / span, i == 3 && iters > 0 ? "" : "");
+  if (iters > 0) printf("TRACE main loop per key tile %9.0f cycles\n", part[3] / iters);
+  if (ptiles > 0) printf("TRACE producer: waits %0.f cycles/tile for the Q buffer, issues K / V over %.0f\n", p_q / ptiles, p_kv / ptiles);
+}
+#endif
+
 int main(int argc, char** argv) {
   // usage: harness <heads> <causal> <check> <iters> lengths... | rl <seed>
   int hq = atoi(argv[1]), causal = atoi(argv[2]), check = atoi(argv[3]), iters = atoi(argv[4]);
@@ -104,6 +151,14 @@ int main(int argc, char** argv) {
     }
     printf("CHECK %s: max|dO|=%.4g max|dLSE|=%.4g bad=%lld\n", bad ? "FAIL" : "ok", eo, el, (long long)bad);
   }
+#if defined(VERL_OPS_SM90_TRACE)
+  if (getenv("TRACE")) {
+    CK(verl_ops::cuda::sm90_trace_clear());
+    CK(verl_ops::cuda::launch_sm90_forward(a, 0));
+    CK(cudaDeviceSynchronize());
+    trace_report();
+  }
+#endif
   if (iters > 0) {
     double flops = 0;
     for (int L : lens) { double pairs = causal ? (double)L * (L + 1) / 2 : (double)L * L; flops += pairs * hq * 2.0 * (192 + 128); }

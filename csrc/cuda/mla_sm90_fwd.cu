@@ -80,6 +80,22 @@ struct Params {
 #define VERL_OPS_SM90A 1
 #endif
 
+#if defined(VERL_OPS_SM90_TRACE)
+// Diagnostics build only (benchmarks/prof_mla_sm90.cu, TRACE=1): clock64 stamps per CTA, role
+// (0 producer, 1 / 2 consumer warpgroups), tile taken and event; see sm90_trace_read.
+__device__ long long g_sm90_trace[kSm90TraceCtas * 3 * kSm90TraceTiles * kSm90TraceEvents];
+#define SM90_TRACE(role, k, e, v)                                                          \
+  do {                                                                                     \
+    if (blockIdx.x < kSm90TraceCtas && (k) < kSm90TraceTiles)                              \
+      g_sm90_trace[((blockIdx.x * 3 + (role)) * kSm90TraceTiles + (k)) * kSm90TraceEvents + \
+                   (e)] = (v);                                                            \
+  } while (0)
+#else
+#define SM90_TRACE(role, k, e, v) \
+  do {                            \
+  } while (0)
+#endif
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -323,6 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         tile_slot[slot] = tile < total ? tile : -1;
         mbar_arrive(bar_tile_full(slot));
         if (tile >= total) break;
+        SM90_TRACE(0, iter, 0, clock64());
         const TileInfo ti = decode_tile(p, tile);
 #if defined(VERL_OPS_SM90_PREFETCH_NEXT)
         // Experimental (off by default): claim the next tile now, a tile ahead, and prefetch its
@@ -347,6 +364,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
         if (ti.n_blocks > 0) {
           mbar_wait(bar_q_empty, (q_it & 1) ^ 1);
+          SM90_TRACE(0, iter, 1, clock64());
           ++q_it;
           const int q_row = static_cast<int>(ti.q_start) + ti.m_block * kBM;
           mbar_expect_tx(bar_q_full, kQBytes);
@@ -372,6 +390,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                           bar_full_v(s));
           }
         }
+        SM90_TRACE(0, iter, 2, clock64());
+        SM90_TRACE(0, iter, 7, ti.n_blocks);
 #if defined(VERL_OPS_SM90_PREFETCH_NEXT)
         tile = next;
 #else
@@ -494,6 +514,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int tile = tile_slot[slot];
     mbar_arrive(bar_tile_empty(slot));
     if (tile < 0) break;
+    if (t == 0) SM90_TRACE(1 + wg, iter, 0, clock64());
     const TileInfo ti = decode_tile(p, tile);
     const int n_blocks = ti.n_blocks, lq = ti.lq, h = ti.h;
     const int64_t q_start = ti.q_start;
@@ -511,6 +532,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
     if (n_blocks > 0) {
       mbar_wait(bar_q_full, q_it & 1);
+      if (t == 0) SM90_TRACE(1 + wg, iter, 1, clock64());
       ++q_it;
       if (wg == 1) sched_arrive();
       // Key tile 0: S, softmax, P. Then for each next tile the S GEMM of tile it and the PV
@@ -522,12 +544,17 @@ __global__ void __launch_bounds__(kThreads, 1)
         issue_s(s);
         wgmma_wait<0>();
         fence_regs(sacc);
+        if (t == 0) SM90_TRACE(1 + wg, iter, 2, clock64());
         mbar_arrive(bar_empty_k(s));
         if (n_blocks == 1) mbar_arrive(bar_q_empty);
       }
       float a0, a1;
       softmax(n_blocks - 1, a0, a1);
       to_pa();
+#if defined(VERL_OPS_SM90_TRACE)
+      asm volatile("" ::"r"(pa[0][0]), "r"(pa[7][3]), "f"(l0), "f"(l1) : "memory");
+      if (t == 0) SM90_TRACE(1 + wg, iter, 3, clock64());
+#endif
       for (int it = 1; it < n_blocks; ++it) {
         const int g = kv_it + it;
         const int s = g % kStages, sp = (g - 1) % kStages;
@@ -563,6 +590,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         to_pa();
       }
+      if (t == 0) SM90_TRACE(1 + wg, iter, 4, clock64());
       const int gl = kv_it + n_blocks - 1;
       const int sl = gl % kStages;
       mbar_wait(bar_full_v(sl), (gl / kStages) & 1);
@@ -572,6 +600,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       fence_regs(o);
       mbar_arrive(bar_empty_v(sl));
+      if (t == 0) SM90_TRACE(1 + wg, iter, 5, clock64());
       kv_it += n_blocks;
     }
 
@@ -600,6 +629,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (lane % 4 == 0)
         p.lse[r * p.hq + h] = l1 > 0.f ? (m1 * sl2 + __log2f(l1)) * kLn2 : INFINITY;
     }
+    if (t == 0) SM90_TRACE(1 + wg, iter, 6, clock64());
+    if (t == 0) SM90_TRACE(1 + wg, iter, 7, n_blocks);
   }
 #endif
 }
@@ -737,6 +768,17 @@ cudaError_t launch(const Sm90FwdArgs& a, const Params& p, cudaStream_t stream) {
 }
 
 }  // namespace
+
+#if defined(VERL_OPS_SM90_TRACE)
+cudaError_t sm90_trace_clear() {
+  void* ptr = nullptr;
+  cudaError_t err = cudaGetSymbolAddress(&ptr, g_sm90_trace);
+  return err != cudaSuccess ? err : cudaMemset(ptr, 0, sizeof(g_sm90_trace));
+}
+cudaError_t sm90_trace_read(long long* host) {
+  return cudaMemcpyFromSymbol(host, g_sm90_trace, sizeof(g_sm90_trace));
+}
+#endif
 
 bool sm90_forward_compiled() {
 #if defined(VERL_OPS_HAS_SM90A)
