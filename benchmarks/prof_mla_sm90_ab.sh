@@ -13,6 +13,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROUNDS="${ROUNDS:-3}"
+RUN_S="${RUN_S:-60}"  # a variant that hangs (a barrier protocol bug) is cut off, not the call
 DIR="${AB_DIR:-/tmp/prof_ab}"
 mkdir -p "$DIR"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.draw --format=csv,noheader
@@ -32,12 +33,13 @@ done
 checks=("2 1 1 0 1 2 127 128 129 300 1000" "3 0 1 0 0 5 300 0 77" "4 1 1 0 rl 7")
 for name in "${names[@]}"; do
   for c in "${checks[@]}"; do
-    if [ "$c" = "4 1 1 0 rl 7" ]; then r=$(HKDIV=2 "$DIR/$name" $c | grep CHECK); else r=$("$DIR/$name" $c | grep CHECK); fi
+    if [ "$c" = "4 1 1 0 rl 7" ]; then r=$(HKDIV=2 timeout "$RUN_S" "$DIR/$name" $c | grep CHECK); else r=$(timeout "$RUN_S" "$DIR/$name" $c | grep CHECK); fi
+    [ -n "$r" ] || r="no CHECK line (crashed or timed out after ${RUN_S} s)"
     echo "$name check [$c]: $r"
   done
   if [ "${MEMCHECK:-}" = "$name" ]; then
     for c in "${checks[@]:0:2}"; do
-      compute-sanitizer --tool memcheck "$DIR/$name" $c 2>&1 | grep -E "CHECK|ERROR SUMMARY" | sed "s/^/$name memcheck [$c]: /"
+      timeout $((4 * RUN_S)) compute-sanitizer --tool memcheck "$DIR/$name" $c 2>&1 | grep -E "CHECK|ERROR SUMMARY" | sed "s/^/$name memcheck [$c]: /"
     done
   fi
 done
@@ -50,8 +52,8 @@ for ((r = 0; r < ROUNDS; ++r)); do
   for b in "${batches[@]}"; do
     label="${b%%|*}"; args="${b#*|}"
     for name in "${names[@]}"; do
-      t=$("$DIR/$name" $args | grep TIME | awk '{print $4}')
-      echo "$name $label $t" >> "$DIR/times.txt"
+      t=$(timeout "$RUN_S" "$DIR/$name" $args | grep TIME | awk '{print $4}')
+      [ -n "$t" ] && echo "$name $label $t" >> "$DIR/times.txt"
     done
   done
 done
@@ -62,7 +64,7 @@ names = sys.argv[2:]
 labels = list(dict.fromkeys(r[1] for r in rows))
 print("median forward TFLOP/s (" + ", ".join(names) + "; ratio to the first)")
 for lab in labels:
-    med = {n: statistics.median(float(r[2]) for r in rows if r[0] == n and r[1] == lab) for n in names}
+    med = {n: statistics.median([float(r[2]) for r in rows if r[0] == n and r[1] == lab] or [float("nan")]) for n in names}
     base = med[names[0]]
     print(f"{lab:10s} " + "  ".join(f"{n} {med[n]:6.1f} ({med[n] / base:.3f}x)" for n in names))
 EOF
