@@ -91,10 +91,10 @@ static void trace_report() {
   printf("TRACE %ld warpgroup tiles (%ld with keys, %.2f key tiles each; %ld warpgroups hit the %d-tile cap)\n",
          tiles, keyed, keyed ? 1.0 + iters / keyed : 0.0, full, K);
   for (int i = 0; i < 7; ++i)
-    printf("TRACE %-14s %9.0f cycles/tile %5.1f%%%s\n", names[i], part[i] / (i < 5 ? (keyed ? keyed : 1) : tiles),
-           100.0 * part[i] / span, i == 3 && iters > 0 ? "" : "");
+    printf("TRACE %-14s %9.0f cycles/tile %5.1f%%\n", names[i], part[i] / (i < 5 ? (keyed ? keyed : 1) : tiles),
+           100.0 * part[i] / span);
   if (iters > 0) printf("TRACE main loop per key tile %9.0f cycles\n", part[3] / iters);
-  if (ptiles > 0) printf("TRACE producer: waits %0.f cycles/tile for the Q buffer, issues K / V over %.0f\n", p_q / ptiles, p_kv / ptiles);
+  if (ptiles > 0) printf("TRACE producer: waits %.0f cycles/tile for the Q buffer, issues K / V over %.0f\n", p_q / ptiles, p_kv / ptiles);
 }
 #endif
 

@@ -332,6 +332,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 40;\n");
     if (threadIdx.x == 0) {
       const int total = p.tile_prefix[p.batch];
+      // Where a tile's boxes start: its Q rows, its key tile `it` (the last first), its kv head.
+      auto q_row_of = [&](const TileInfo& x) { return static_cast<int>(x.q_start) + x.m_block * kBM; };
+      auto k_row_of = [&](const TileInfo& x, int it) {
+        return static_cast<int>(x.k_start) + (x.n_blocks - 1 - it) * kBN;
+      };
+      auto kv_head_of = [&](const TileInfo& x) { return x.h / (p.hq / p.hk); };
+      auto claim = [&]() { return static_cast<int>(gridDim.x) + atomicAdd(p.counter, 1); };
       int tile = blockIdx.x, kv_it = 0, q_it = 0;
       for (int iter = 0;; ++iter) {
         const int slot = iter & 1;
@@ -345,13 +352,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         // Experimental (off by default): claim the next tile now, a tile ahead, and prefetch its
         // Q and first K / V tiles into L2, so that its loads do not wait on DRAM at the tile
         // boundary.
-        const int next = static_cast<int>(gridDim.x) + atomicAdd(p.counter, 1);
+        const int next = claim();
         if (next < total) {
           const TileInfo tn = decode_tile(p, next);
           if (tn.n_blocks > 0) {
-            const int q_row = static_cast<int>(tn.q_start) + tn.m_block * kBM;
-            const int k_row = static_cast<int>(tn.k_start) + (tn.n_blocks - 1) * kBN;
-            const int hk = tn.h / (p.hq / p.hk);
+            const int q_row = q_row_of(tn), k_row = k_row_of(tn, 0), hk = kv_head_of(tn);
 #pragma unroll
             for (int c = 0; c < kDqk / 64; ++c) {
               tma_prefetch_3d(&tq, c * 64, tn.h, q_row);
@@ -366,16 +371,16 @@ __global__ void __launch_bounds__(kThreads, 1)
           mbar_wait(bar_q_empty, (q_it & 1) ^ 1);
           SM90_TRACE(0, iter, 1, clock64());
           ++q_it;
-          const int q_row = static_cast<int>(ti.q_start) + ti.m_block * kBM;
+          const int q_row = q_row_of(ti);
           mbar_expect_tx(bar_q_full, kQBytes);
 #pragma unroll
           for (int c = 0; c < kDqk / 64; ++c)
             tma_load_3d(base + kSmemQ + c * kBM * 128, &tq, c * 64, ti.h, q_row, bar_q_full);
-          const int hk = ti.h / (p.hq / p.hk);
+          const int hk = kv_head_of(ti);
           for (int it = 0; it < ti.n_blocks; ++it, ++kv_it) {
             const int s = kv_it % kStages;
             const uint32_t phase = (kv_it / kStages) & 1;
-            const int k_row = static_cast<int>(ti.k_start) + (ti.n_blocks - 1 - it) * kBN;
+            const int k_row = k_row_of(ti, it);
             mbar_wait(bar_empty_k(s), phase ^ 1);
             mbar_expect_tx(bar_full_k(s), kKBytes);
 #pragma unroll
@@ -395,7 +400,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #if defined(VERL_OPS_SM90_PREFETCH_NEXT)
         tile = next;
 #else
-        tile = static_cast<int>(gridDim.x) + atomicAdd(p.counter, 1);
+        tile = claim();
 #endif
       }
     }
