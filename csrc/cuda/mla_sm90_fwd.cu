@@ -26,6 +26,8 @@
 // key) of every row of every sequence: the layout cuDNN's backward reads.
 #include "mla_sm90_fwd.h"
 
+#include "mla_sm90_common.cuh"
+
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_bf16.h>
@@ -76,10 +78,6 @@ struct Params {
   int causal, bottom_right;
 };
 
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define VERL_OPS_SM90A 1
-#endif
-
 #if defined(VERL_OPS_SM90_TRACE)
 // Diagnostics build only (benchmarks/prof_mla_sm90.cu, TRACE=1): clock64 stamps per CTA, role
 // (0 producer, 1 / 2 consumer warpgroups), tile taken and event; see sm90_trace_read.
@@ -96,79 +94,10 @@ __device__ long long g_sm90_trace[kSm90TraceCtas * 3 * kSm90TraceTiles * kSm90Tr
   } while (0)
 #endif
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count));
-}
-__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
-               : "memory");
-}
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
-}
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
-
-__device__ __forceinline__ void tma_load_3d(uint32_t dst, const CUtensorMap* map, int c0, int c1,
-                                            int c2, uint32_t bar) {
-  asm volatile(
-      "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, "
-      "%3, %4}], [%5];\n" ::"r"(dst),
-      "l"(reinterpret_cast<uint64_t>(map)), "r"(c0), "r"(c1), "r"(c2), "r"(bar)
-      : "memory");
-}
-
-// An L2 prefetch of the box a tma_load_3d with these coordinates would load (a hint: no
-// shared memory, no barrier).
-__device__ __forceinline__ void tma_prefetch_3d(const CUtensorMap* map, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.prefetch.tensor.3d.L2.global.tile [%0, {%1, %2, %3}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-
-// Shared-memory matrix descriptor, 128-byte swizzle (bits 62-63 = 1).
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
-  return (static_cast<uint64_t>((addr & 0x3FFFF) >> 4)) |
-         (static_cast<uint64_t>((lbo >> 4) & 0x3FFF) << 16) |
-         (static_cast<uint64_t>((sbo >> 4) & 0x3FFF) << 32) | (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void wgmma_fence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void wgmma_commit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
 __device__ __forceinline__ void fence_regs(float (&d)[64]) {
 #pragma unroll
   for (int i = 0; i < 64; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-
-// The descriptor of the operand at 16-byte offset `off16` from the one of d0: the low word's
-// address field plus the offset (shared addresses stay below 2^18, so it never carries into the
-// leading-byte-offset field); the high word (stride, swizzle) is shared.
-__device__ __forceinline__ uint64_t desc_at(uint64_t d0, uint32_t off16) {
-  return (d0 & 0xFFFFFFFF00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(d0) + off16);
-}
-
 // D[64x128] (+)= A[64x16] (shared, K-major) * B[16x128] (shared, K-major).
 template <bool kHalf>
 __device__ __forceinline__ void wgmma_ss(float (&d)[64], uint64_t da, uint64_t db, int accumulate) {
@@ -207,47 +136,6 @@ __device__ __forceinline__ void wgmma_rs(float (&d)[64], const uint32_t (&a)[4],
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(1));
   }
-}
-
-template <bool kHalf>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
-  if constexpr (kHalf) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  } else {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-}
-
-__device__ __forceinline__ float ex2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
-__device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
-}
-__device__ __forceinline__ float quad_sum(float x) {
-  x += __shfl_xor_sync(0xffffffffu, x, 1);
-  return x + __shfl_xor_sync(0xffffffffu, x, 2);
-}
-
-struct Tile {
-  int64_t q_start, k_start;
-  int lq, lk, m_block, n_blocks;
-};
-
-__device__ __forceinline__ int64_t clamp_start(const int32_t* cu, int b, int64_t rows) {
-  const int64_t s = cu[b];
-  return s < 0 ? 0 : (s > rows ? rows : s);
-}
-__device__ __forceinline__ int clamp_len(const int32_t* cu, int b, int64_t rows) {
-  const int64_t s = clamp_start(cu, b, rows);
-  const int64_t e = cu[b + 1];
-  return e <= s ? 0 : static_cast<int>((e > rows ? rows : e) - s);
 }
 
 // Key tiles a query tile needs: every tile holding a key some row of it sees.
@@ -348,25 +236,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         if (tile >= total) break;
         SM90_TRACE(0, iter, 0, clock64());
         const TileInfo ti = decode_tile(p, tile);
-#if defined(VERL_OPS_SM90_PREFETCH_NEXT)
-        // Experimental (off by default): claim the next tile now, a tile ahead, and prefetch its
-        // Q and first K / V tiles into L2, so that its loads do not wait on DRAM at the tile
-        // boundary.
-        const int next = claim();
-        if (next < total) {
-          const TileInfo tn = decode_tile(p, next);
-          if (tn.n_blocks > 0) {
-            const int q_row = q_row_of(tn), k_row = k_row_of(tn, 0), hk = kv_head_of(tn);
-#pragma unroll
-            for (int c = 0; c < kDqk / 64; ++c) {
-              tma_prefetch_3d(&tq, c * 64, tn.h, q_row);
-              tma_prefetch_3d(&tk, c * 64, hk, k_row);
-            }
-#pragma unroll
-            for (int c = 0; c < kDv / 64; ++c) tma_prefetch_3d(&tv, c * 64, hk, k_row);
-          }
-        }
-#endif
         if (ti.n_blocks > 0) {
           mbar_wait(bar_q_empty, (q_it & 1) ^ 1);
           SM90_TRACE(0, iter, 1, clock64());
@@ -397,11 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
         SM90_TRACE(0, iter, 2, clock64());
         SM90_TRACE(0, iter, 7, ti.n_blocks);
-#if defined(VERL_OPS_SM90_PREFETCH_NEXT)
-        tile = next;
-#else
         tile = claim();
-#endif
       }
     }
     return;
@@ -640,112 +505,6 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 }
 
-// The tile schedule, one block of kScheduleThreads: order[rank] = b ranks the sequences by query
-// length, longest first (ties: lower index first; past kScheduleThreads sequences the input
-// order, as the ranking is one thread per sequence against all others), tile_prefix[rank] is the
-// first tile of that sequence and tile_prefix[batch] the total; the counter is zeroed.
-constexpr int kScheduleThreads = 1024;
-
-__global__ void __launch_bounds__(kScheduleThreads)
-    schedule_kernel(const int32_t* __restrict__ cu_q, int64_t tq, int batch, int hq,
-                    int32_t* __restrict__ order, int32_t* __restrict__ tile_prefix,
-                    int32_t* __restrict__ counter) {
-  __shared__ int by_rank[kScheduleThreads];
-  __shared__ int scan[kScheduleThreads];
-  const int tid = threadIdx.x;
-  const bool ranked = batch <= kScheduleThreads;
-  auto tiles = [&](int b) { return (clamp_len(cu_q, b, tq) + kBM - 1) / kBM * hq; };
-  int local = 0;  // tiles of the ranks this thread owns
-  const int per = ranked ? 1 : (batch + kScheduleThreads - 1) / kScheduleThreads;
-  const int first = tid * per, last = min(batch, first + per);
-  if (ranked) {
-    if (tid < batch) {
-      const int lb = clamp_len(cu_q, tid, tq);
-      int rank = 0;
-      for (int c = 0; c < batch; ++c) {
-        const int lc = clamp_len(cu_q, c, tq);
-        rank += (lc > lb) || (lc == lb && c < tid);
-      }
-      order[rank] = tid;
-      by_rank[rank] = tiles(tid);
-    }
-    __syncthreads();
-    local = tid < batch ? by_rank[tid] : 0;
-  } else {
-    for (int b = first; b < last; ++b) {
-      order[b] = b;
-      local += tiles(b);
-    }
-  }
-  scan[tid] = local;
-  __syncthreads();
-  for (int off = 1; off < kScheduleThreads; off <<= 1) {
-    const int add = tid >= off ? scan[tid - off] : 0;
-    __syncthreads();
-    scan[tid] += add;
-    __syncthreads();
-  }
-  int running = scan[tid] - local;
-  if (ranked) {
-    if (tid < batch) tile_prefix[tid] = running;
-  } else {
-    for (int b = first; b < last; ++b) {
-      tile_prefix[b] = running;
-      running += tiles(b);
-    }
-  }
-  if (tid == kScheduleThreads - 1) tile_prefix[batch] = scan[tid];
-  if (tid == 0) *counter = 0;
-}
-
-PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
-  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
-  static std::once_flag once;
-  std::call_once(once, [] {
-    void* ptr = nullptr;
-    cudaDriverEntryPointQueryResult q{};
-#if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &ptr, 12000,
-                                                             cudaEnableDefault, &q);
-#else
-    const cudaError_t err = cudaGetDriverEntryPoint("cuTensorMapEncodeTiled", &ptr,
-                                                    cudaEnableDefault, &q);
-#endif
-    if (err == cudaSuccess && q == cudaDriverEntryPointSuccess && ptr != nullptr)
-      fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(ptr);
-    else
-      (void)cudaGetLastError();
-  });
-  return fn;
-}
-
-// [rows, heads, d] rows as a 3-D map (d, heads, rows), a box of 64 columns x 1 head x box_rows,
-// 128-byte swizzle (the wgmma operand layout).
-bool make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t heads, int64_t d,
-              int box_rows, bool half) {
-  auto fn = encode_fn();
-  if (fn == nullptr) return false;
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(heads),
-                        static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(d * 2), static_cast<cuuint64_t>(heads * d * 2)};
-  cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
-  cuuint32_t elem[3] = {1, 1, 1};
-  return fn(map, half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-            const_cast<void*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
-            CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-            CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-int sm_count() {
-  int dev = 0, n = 0;
-  if (cudaGetDevice(&dev) != cudaSuccess ||
-      cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
-    (void)cudaGetLastError();
-    return 132;
-  }
-  return n;
-}
-
 template <bool kHalf>
 cudaError_t launch(const Sm90FwdArgs& a, const Params& p, cudaStream_t stream) {
   CUtensorMap mq, mk, mv;
@@ -827,7 +586,7 @@ cudaError_t launch_sm90_forward(const Sm90FwdArgs& a, cudaStream_t stream) {
   p.order = a.workspace;
   p.tile_prefix = a.workspace + a.batch;
   p.counter = a.workspace + 2 * a.batch + 1;
-  schedule_kernel<<<1, kScheduleThreads, 0, stream>>>(
+  schedule_kernel<kBM><<<1, kScheduleThreads, 0, stream>>>(
       a.cu_q, a.tq, static_cast<int>(a.batch), static_cast<int>(a.hq), a.workspace,
       a.workspace + a.batch, p.counter);
   p.cu_q = a.cu_q;

@@ -1,0 +1,36 @@
+// Backward attention for MLA shapes (Dqk 192, Dv 128) on Hopper, see mla_sm90_bwd.cu.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace verl_ops {
+namespace cuda {
+
+struct Sm90BwdArgs {
+  const void* q;     // [tq, hq, 192], contiguous, 16-byte aligned
+  const void* k;     // [tk, hk, 192]
+  const void* v;     // [tk, hk, 128]
+  const void* out;   // [tq, hq, 128]: the forward's output
+  const void* dout;  // [tq, hq, 128]
+  const float* lse;  // [tq, hq]: the forward's natural-log log-sum-exp, +inf where no key is seen
+  void* dq;          // [tq, hq, 192]: every row written (zeros outside the sequences)
+  void* dk;          // [tk, hk, 192]: the rows inside the sequences written
+  void* dv;          // [tk, hk, 128]: likewise
+  const int32_t* cu_q;
+  const int32_t* cu_kv;
+  int32_t* workspace;  // sm90_backward_workspace_ints(batch) int32 on the device
+  float* dq_accum;     // [tq, hq, 192] fp32 on the device
+  float2* lse_d;       // [hq, tq] on the device
+  int64_t batch, tq, tk, hq, hk;
+  float scale;
+  bool causal, bottom_right, half;
+};
+
+inline int64_t sm90_backward_workspace_ints(int64_t batch) { return 2 * batch + 2; }
+
+cudaError_t launch_sm90_backward(const Sm90BwdArgs& a, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace verl_ops
