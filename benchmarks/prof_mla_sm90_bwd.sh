@@ -13,7 +13,7 @@ BIN="${BIN:-/tmp/prof_mla_sm90_bwd}"
 nvcc -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -DVERL_OPS_HAS_SM90A ${NVCC_FLAGS:-} \
   benchmarks/prof_mla_sm90_bwd.cu csrc/cuda/mla_sm90_bwd.cu csrc/cuda/mla_sm90_fwd.cu -o "$BIN" || exit 1
 nvidia-smi --query-gpu=name --format=csv,noheader
-RUN_S="${RUN_S:-60}"
+RUN_S="${RUN_S:-20}"
 checks=("2 1 1 0 1 2 127 128 129 300 1000" "3 0 1 0 0 5 300 0 77" "2 1 1 0 64 65 200 513")
 for c in "${checks[@]}"; do echo "check [$c]: $(timeout "$RUN_S" "$BIN" $c | grep -E "CHECK|worst|CUDA")"; done
 echo "check [4 1 1 0 rl 7, HKDIV=2]: $(HKDIV=2 timeout "$RUN_S" "$BIN" 4 1 1 0 rl 7 | grep -E "CHECK|worst|CUDA")"

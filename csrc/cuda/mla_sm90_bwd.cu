@@ -46,15 +46,15 @@ constexpr int kKBytes = kBN * kDqk * 2;   // 48 KiB: three 64-column chunks of 1
 constexpr int kVBytes = kBN * kDv * 2;    // 32 KiB
 constexpr int kQBytes = kBM * kDqk * 2;   // 24 KiB: three chunks of 64 rows x 128 B
 constexpr int kOBytes = kBM * kDv * 2;    // 16 KiB (dO)
-constexpr int kDSBytes = 64 * kBM * 2;    // 8 KiB per warpgroup: dS^T [64 keys][64 queries]
+constexpr int kDSBytes = kBN * kBM * 2;   // 16 KiB: dS^T [128 keys][64 queries], both warpgroups
 constexpr int kSmemK = 0;
 constexpr int kSmemV = kSmemK + kKBytes;
 constexpr int kSmemQ = kSmemV + kVBytes;
 constexpr int kSmemDO = kSmemQ + kStages * kQBytes;
-constexpr int kSmemDS = kSmemDO + kStages * kOBytes;
-constexpr int kSmemLD = kSmemDS + 2 * kDSBytes;         // lse2 / D: [warpgroup][2][64] float2
-constexpr int kSmemBar = kSmemLD + 2 * 2 * kBM * 8;
-constexpr int kNumBars = 1 + 2 * kStages;               // K / V full, Q / dO full and empty
+constexpr int kSmemDS = kSmemDO + kStages * kOBytes;     // two buffers
+constexpr int kSmemLD = kSmemDS + 2 * kDSBytes;          // lse2 / D: [stage][64] float2
+constexpr int kSmemBar = kSmemLD + kStages * kBM * 8;
+constexpr int kNumBars = 1 + 2 * kStages;                // K / V full, Q / dO / lse full and empty
 constexpr int kSmemBytes = kSmemBar + kNumBars * 8 + 1024;
 
 struct BwdParams {
@@ -130,6 +130,26 @@ __device__ __forceinline__ void wgmma_ss_n64_tt(float (&d)[32], uint64_t da, uin
         "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n"
         "}\n"
         : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+        : "l"(da), "l"(db), "r"(accumulate));
+  }
+}
+
+// D[64x32] (+)= A[64x16] (shared, MN-major) * B[16x32] (shared, MN-major).
+template <bool kHalf>
+__device__ __forceinline__ void wgmma_ss_n32_tt(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
+  if constexpr (kHalf) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "l"(da), "l"(db), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, %16, %17, p, 1, 1, 1, 1;\n"
+        "}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
         : "l"(da), "l"(db), "r"(accumulate));
   }
 }
@@ -216,7 +236,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x == 0) {
     mbar_init(bar_kv, 1);
     for (int s = 0; s < kStages; ++s) {
-      mbar_init(bar_full(s), 1);
+      mbar_init(bar_full(s), 1 + 32);  // the TMA bytes, and each producer lane's lse2 / D rows
       mbar_init(bar_empty(s), 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
@@ -224,30 +244,47 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();
 
   if (warp_group == 0) {
+    // Producer: warp 0. Lane 0 issues the TMA loads; every lane writes two rows of lse2 / D.
+    // 24 + 2 x 240 = 3 x 168, the registers per thread the CTA was launched with: a larger sum
+    // would leave setmaxnreg.inc waiting forever.
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
-    if (threadIdx.x == 0 && blocks > 0) {
+    if (threadIdx.x < 32 && blocks > 0) {
+      const int lane = threadIdx.x;
       const int k_row = static_cast<int>(k_start) + key0;
-      mbar_expect_tx(bar_kv, kKBytes + kVBytes);
+      if (lane == 0) {
+        mbar_expect_tx(bar_kv, kKBytes + kVBytes);
 #pragma unroll
-      for (int c = 0; c < kDqk / 64; ++c)
-        tma_load_3d(base + kSmemK + c * kBN * 128, &tk, c * 64, kvh, k_row, bar_kv);
+        for (int c = 0; c < kDqk / 64; ++c)
+          tma_load_3d(base + kSmemK + c * kBN * 128, &tk, c * 64, kvh, k_row, bar_kv);
 #pragma unroll
-      for (int c = 0; c < kDv / 64; ++c)
-        tma_load_3d(base + kSmemV + c * kBN * 128, &tv, c * 64, kvh, k_row, bar_kv);
+        for (int c = 0; c < kDv / 64; ++c)
+          tma_load_3d(base + kSmemV + c * kBN * 128, &tv, c * 64, kvh, k_row, bar_kv);
+      }
       for (int i = 0; i < blocks; ++i) {
         const int s = i % kStages;
         const uint32_t phase = (i / kStages) & 1;
         const int h = kvh * group + i / nblk;
-        const int q_row = static_cast<int>(q_start) + (m_begin + i % nblk) * kBM;
+        const int q0 = (m_begin + i % nblk) * kBM;
+        const int q_row = static_cast<int>(q_start) + q0;
         mbar_wait(bar_empty(s), phase ^ 1);
-        mbar_expect_tx(bar_full(s), kQBytes + kOBytes);
+        if (lane == 0) {
+          mbar_expect_tx(bar_full(s), kQBytes + kOBytes);
 #pragma unroll
-        for (int c = 0; c < kDqk / 64; ++c)
-          tma_load_3d(base + kSmemQ + s * kQBytes + c * kBM * 128, &tq, c * 64, h, q_row, bar_full(s));
+          for (int c = 0; c < kDqk / 64; ++c)
+            tma_load_3d(base + kSmemQ + s * kQBytes + c * kBM * 128, &tq, c * 64, h, q_row, bar_full(s));
 #pragma unroll
-        for (int c = 0; c < kDv / 64; ++c)
-          tma_load_3d(base + kSmemDO + s * kOBytes + c * kBM * 128, &tdo, c * 64, h, q_row,
-                      bar_full(s));
+          for (int c = 0; c < kDv / 64; ++c)
+            tma_load_3d(base + kSmemDO + s * kOBytes + c * kBM * 128, &tdo, c * 64, h, q_row,
+                        bar_full(s));
+        }
+        float2* ld = reinterpret_cast<float2*>(smem + kSmemLD) + s * kBM;
+#pragma unroll
+        for (int r = 0; r < kBM / 32; ++r) {
+          const int qi = q0 + lane + 32 * r;
+          ld[lane + 32 * r] = qi < lq ? p.lse_d[static_cast<int64_t>(h) * p.tq + q_start + qi]
+                                      : make_float2(INFINITY, 0.f);
+        }
+        mbar_arrive(bar_full(s));
       }
     }
     return;
@@ -272,24 +309,28 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(bar_kv, 0);
     const uint32_t k_base = base + kSmemK + wg * 64 * 128;
     const uint32_t v_base = base + kSmemV + wg * 64 * 128;
-    const uint32_t ds_base = base + kSmemDS + wg * kDSBytes;
     const uint64_t dk_a = smem_desc(k_base, 16, 1024);   // K as A (K-major)
     const uint64_t dv_a = smem_desc(v_base, 16, 1024);   // V as A (K-major)
-    const uint64_t ds_a = smem_desc(ds_base, 16, 1024);  // dS^T as A of dQ (MN-major)
-    float2* ld_smem = reinterpret_cast<float2*>(smem + kSmemLD) + wg * 2 * kBM;
+    // dQ = dS K over all 128 keys, split by columns: warpgroup w takes the 64-column chunk w and
+    // the 32 columns 128 + 32 w ... of chunk 2 (K as B, MN-major).
+    const uint64_t dk_b0 = smem_desc(base + kSmemK + wg * kBN * 128, 16, 1024);
+    const uint64_t dk_b1 = smem_desc(base + kSmemK + 2 * kBN * 128 + wg * 64, 16, 1024);
 
-    int worked = 0;  // blocks this warpgroup has worked on
     for (int i = 0; i < blocks; ++i) {
       const int s = __shfl_sync(0xffffffffu, i % kStages, 0);
       const uint32_t phase = (i / kStages) & 1;
       const int h = kvh * group + i / nblk;
       const int m = m_begin + i % nblk;
       const int q0 = m * kBM;  // the block's first query row (in the sequence)
+      const int db = __shfl_sync(0xffffffffu, i & 1, 0);  // dS buffer
+      const uint32_t ds_base = base + kSmemDS + db * kDSBytes;
       // Whether some key of this warpgroup is seen by some row of the block, and whether every
       // one is seen by every row (no mask).
       const bool active = kw0 < lk && (!p.causal || kw0 <= q0 + kBM - 1 + shift);
       const bool full = q0 + kBM <= lq && kw0 + 64 <= lk && (!p.causal || kw0 + 63 <= q0 + shift);
       mbar_wait(bar_full(s), phase);
+      const float2* ld = reinterpret_cast<const float2*>(smem + kSmemLD) + s * kBM;
+      uint32_t dsfrag[4][4];
       if (active) {
         const uint32_t q_base = base + kSmemQ + s * kQBytes;
         const uint32_t do_base = base + kSmemDO + s * kOBytes;
@@ -304,16 +345,6 @@ __global__ void __launch_bounds__(kThreads, 1)
                               desc_at(dq_b, (chunk * kBM * 128 + off) >> 4), kk > 0);
         }
         wgmma_commit();
-        // lse2 / D of the block's rows into this warpgroup's buffer (two buffers, alternating
-        // over the blocks this warpgroup works on: the barrier of one orders every read of the
-        // one before before the writes of the one after).
-        float2* ld = ld_smem + (worked++ & 1) * kBM;
-        if (t < kBM) {
-          const int qi = q0 + t;
-          ld[t] = qi < lq ? p.lse_d[static_cast<int64_t>(h) * p.tq + q_start + qi]
-                          : make_float2(INFINITY, 0.f);
-        }
-        named_sync(1 + wg, 128);
         wgmma_wait<0>();
         fence_acc(sacc);
         // P^T, straight into the A fragments of dV += P^T dO (registers: dK and dV hold 160 of
@@ -361,7 +392,6 @@ __global__ void __launch_bounds__(kThreads, 1)
         fence_acc(dpacc);
         fence_acc(dv);
         // dS^T = P^T (dP^T - D), from the P^T fragments, straight into the A fragments of dK.
-        uint32_t dsfrag[4][4];
 #pragma unroll
         for (int cc = 0; cc < 8; ++cc) {
           const float d0 = ld[cc * 8 + 2 * (lane % 4)].y, d1 = ld[cc * 8 + 2 * (lane % 4) + 1].y;
@@ -380,47 +410,60 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int j = 0; j < 4; ++j) wgmma_rs_n192<kHalf>(dk, dsfrag[j], desc_at(dq_t, (j * 2048) >> 4));
           wgmma_commit();
         }
-        // dS^T to shared memory, [64 keys][64 queries] with the 128-byte swizzle: the A operand
-        // (MN-major) of dQ = dS K.
+      } else {
 #pragma unroll
-        for (int cc = 0; cc < 8; ++cc) {
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            const int row = kr + 8 * r;
-            const uint32_t addr = ds_base + row * 128 + ((cc ^ (row & 7)) << 4) + 4 * (lane % 4);
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr),
-                         "r"(dsfrag[cc / 2][(cc % 2) * 2 + r]));
-          }
+          for (int u = 0; u < 4; ++u) dsfrag[j][u] = 0u;
+      }
+      // dS^T (zeros where this warpgroup's keys are unseen) to shared memory, rows 64 wg ... of
+      // [128 keys][64 queries] with the 128-byte swizzle: the A operand (MN-major) of dQ = dS K.
+      // Two buffers: the barrier below orders the other warpgroup's dQ GEMMs of block i - 1
+      // before these writes of block i + 1.
+#pragma unroll
+      for (int cc = 0; cc < 8; ++cc) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = wg * 64 + kr + 8 * r;
+          const uint32_t addr = ds_base + row * 128 + ((cc ^ (row & 7)) << 4) + 4 * (lane % 4);
+          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(dsfrag[cc / 2][(cc % 2) * 2 + r]));
         }
-        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-        // The dK GEMM done before the dQ ones: its A fragments then free their registers.
+      }
+      asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+      named_sync(1, 256);  // both warpgroups' dS^T written
+      // The dK GEMM done (its A fragments then free their registers), then dQ (64 rows) += dS K
+      // over the 128 keys in this warpgroup's 96 columns.
+      wgmma_wait<0>();
+      fence_acc(dk);
+      {
+        float qa[32], qb[16];
+        const uint64_t ds_a = smem_desc(ds_base, 16, 1024);  // dS^T as A (MN-major)
+        wgmma_fence();
+#pragma unroll
+        for (int j = 0; j < kBN / 16; ++j)
+          wgmma_ss_n64_tt<kHalf>(qa, desc_at(ds_a, (j * 2048) >> 4), desc_at(dk_b0, (j * 2048) >> 4), j > 0);
+#pragma unroll
+        for (int j = 0; j < kBN / 16; ++j)
+          wgmma_ss_n32_tt<kHalf>(qb, desc_at(ds_a, (j * 2048) >> 4), desc_at(dk_b1, (j * 2048) >> 4), j > 0);
+        wgmma_commit();
         wgmma_wait<0>();
-        fence_acc(dk);
-        named_sync(1 + wg, 128);
-        // dQ (64 rows x 192) += dS K over this warpgroup's 64 keys, in three 64-column chunks.
-        const int64_t qrow_a = q_start + q0 + kr;  // accumulator rows kr, kr + 8: queries
-#pragma unroll 1
-        for (int c = 0; c < kDqk / 64; ++c) {
-          float qacc[32];
-          const uint64_t dk_b = smem_desc(k_base + c * kBN * 128, 16, 1024);
-          wgmma_fence();
+        fence_acc(qa);
+        fence_acc(qb);
+        mbar_arrive(bar_empty(s));
+        const int64_t qrow = q_start + q0 + kr;  // accumulator rows kr, kr + 8: queries
 #pragma unroll
-          for (int j = 0; j < 4; ++j)
-            wgmma_ss_n64_tt<kHalf>(qacc, desc_at(ds_a, (j * 2048) >> 4), desc_at(dk_b, (j * 2048) >> 4), j > 0);
-          wgmma_commit();
-          wgmma_wait<0>();
-          fence_acc(qacc);
+        for (int r = 0; r < 2; ++r) {
+          if (q0 + kr + 8 * r < lq) {
+            float* dst = p.dq_accum + ((qrow + 8 * r) * p.hq + h) * kDqk + 2 * (lane % 4);
 #pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            if (q0 + kr + 8 * r < lq) {
-              float* dst = p.dq_accum + ((qrow_a + 8 * r) * p.hq + h) * kDqk + c * 64 + 2 * (lane % 4);
+            for (int cc = 0; cc < 8; ++cc)
+              red_add2(dst + wg * 64 + cc * 8, qa[4 * cc + 2 * r], qa[4 * cc + 2 * r + 1]);
 #pragma unroll
-              for (int cc = 0; cc < 8; ++cc) red_add2(dst + cc * 8, qacc[4 * cc + 2 * r], qacc[4 * cc + 2 * r + 1]);
-            }
+            for (int cc = 0; cc < 4; ++cc)
+              red_add2(dst + 128 + wg * 32 + cc * 8, qb[4 * cc + 2 * r], qb[4 * cc + 2 * r + 1]);
           }
         }
       }
-      mbar_arrive(bar_empty(s));
     }
   }
 
