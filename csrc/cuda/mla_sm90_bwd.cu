@@ -54,7 +54,7 @@ constexpr int kSmemDO = kSmemQ + kStages * kQBytes;
 constexpr int kSmemDS = kSmemDO + kStages * kOBytes;     // two buffers
 constexpr int kSmemLD = kSmemDS + 2 * kDSBytes;          // lse2 / D: [stage][64] float2
 constexpr int kSmemBar = kSmemLD + kStages * kBM * 8;
-constexpr int kNumBars = 1 + 2 * kStages;                // K / V full, Q / dO / lse full and empty
+constexpr int kNumBars = 1 + 2 * kStages + 4;            // K / V full, Q / dO / lse full and empty, dS full and empty
 constexpr int kSmemBytes = kSmemBar + kNumBars * 8 + 1024;
 
 struct BwdParams {
@@ -72,9 +72,6 @@ struct BwdParams {
   int causal, bottom_right;
 };
 
-__device__ __forceinline__ void named_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
 template <int N>
 __device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
@@ -210,6 +207,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t bar_kv = base + kSmemBar;
   auto bar_full = [&](int s) { return base + kSmemBar + 8 * (1 + s); };
   auto bar_empty = [&](int s) { return base + kSmemBar + 8 * (1 + kStages + s); };
+  auto bar_ds_full = [&](int b) { return base + kSmemBar + 8 * (1 + 2 * kStages + b); };
+  auto bar_ds_empty = [&](int b) { return base + kSmemBar + 8 * (3 + 2 * kStages + b); };
 
   // The CTA's sequence (binary search over the schedule), kv head and key block.
   int lo = 0, hi = p.batch - 1;
@@ -238,6 +237,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int s = 0; s < kStages; ++s) {
       mbar_init(bar_full(s), 1 + 32);  // the TMA bytes, and each producer lane's lse2 / D rows
       mbar_init(bar_empty(s), 256);
+    }
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(bar_ds_full(b), 256);
+      mbar_init(bar_ds_empty(b), 256);
     }
     asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
   }
@@ -316,12 +319,47 @@ __global__ void __launch_bounds__(kThreads, 1)
     const uint64_t dk_b0 = smem_desc(base + kSmemK + wg * kBN * 128, 16, 1024);
     const uint64_t dk_b1 = smem_desc(base + kSmemK + 2 * kBN * 128 + wg * 64, 16, 1024);
 
+    // dQ (64 rows) += dS K for block j over the 128 keys, in this warpgroup's 96 columns: once
+    // both warpgroups' dS^T of block j are in buffer j & 1 (it runs a block behind, so the two
+    // warpgroups need not move in step).
+    auto dq_step = [&](int j) {
+      const int b = __shfl_sync(0xffffffffu, j & 1, 0);
+      const int h = kvh * group + j / nblk;
+      const int q0 = (m_begin + j % nblk) * kBM;
+      float qa[32], qb[16];
+      const uint64_t ds_a = smem_desc(base + kSmemDS + b * kDSBytes, 16, 1024);  // dS^T as A (MN-major)
+      mbar_wait(bar_ds_full(b), (j / 2) & 1);
+      wgmma_fence();
+#pragma unroll
+      for (int k = 0; k < kBN / 16; ++k)
+        wgmma_ss_n64_tt<kHalf>(qa, desc_at(ds_a, (k * 2048) >> 4), desc_at(dk_b0, (k * 2048) >> 4), k > 0);
+#pragma unroll
+      for (int k = 0; k < kBN / 16; ++k)
+        wgmma_ss_n32_tt<kHalf>(qb, desc_at(ds_a, (k * 2048) >> 4), desc_at(dk_b1, (k * 2048) >> 4), k > 0);
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_acc(qa);
+      fence_acc(qb);
+      mbar_arrive(bar_ds_empty(b));
+      const int64_t qrow = q_start + q0 + kr;  // accumulator rows kr, kr + 8: queries
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        if (q0 + kr + 8 * r < lq) {
+          float* dst = p.dq_accum + ((qrow + 8 * r) * p.hq + h) * kDqk + 2 * (lane % 4);
+#pragma unroll
+          for (int cc = 0; cc < 8; ++cc)
+            red_add2(dst + wg * 64 + cc * 8, qa[4 * cc + 2 * r], qa[4 * cc + 2 * r + 1]);
+#pragma unroll
+          for (int cc = 0; cc < 4; ++cc)
+            red_add2(dst + 128 + wg * 32 + cc * 8, qb[4 * cc + 2 * r], qb[4 * cc + 2 * r + 1]);
+        }
+      }
+    };
+
     for (int i = 0; i < blocks; ++i) {
       const int s = __shfl_sync(0xffffffffu, i % kStages, 0);
       const uint32_t phase = (i / kStages) & 1;
-      const int h = kvh * group + i / nblk;
-      const int m = m_begin + i % nblk;
-      const int q0 = m * kBM;  // the block's first query row (in the sequence)
+      const int q0 = (m_begin + i % nblk) * kBM;  // the block's first query row (in the sequence)
       const int db = __shfl_sync(0xffffffffu, i & 1, 0);  // dS buffer
       const uint32_t ds_base = base + kSmemDS + db * kDSBytes;
       // Whether some key of this warpgroup is seen by some row of the block, and whether every
@@ -418,8 +456,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
       // dS^T (zeros where this warpgroup's keys are unseen) to shared memory, rows 64 wg ... of
       // [128 keys][64 queries] with the 128-byte swizzle: the A operand (MN-major) of dQ = dS K.
-      // Two buffers: the barrier below orders the other warpgroup's dQ GEMMs of block i - 1
-      // before these writes of block i + 1.
+      // Two buffers, each free again once both warpgroups' dQ GEMMs of block i - 2 are done.
+      mbar_wait(bar_ds_empty(db), ((i / 2) & 1) ^ 1);
 #pragma unroll
       for (int cc = 0; cc < 8; ++cc) {
 #pragma unroll
@@ -430,43 +468,16 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      named_sync(1, 256);  // both warpgroups' dS^T written
-      // The dK GEMM done (its A fragments then free their registers), then dQ (64 rows) += dS K
-      // over the 128 keys in this warpgroup's 96 columns.
+      mbar_arrive(bar_ds_full(db));
+      // The dK GEMM done (its A fragments then free their registers): the stage's Q / dO / lse2 / D
+      // are no longer read. Then the dQ of the block before.
       wgmma_wait<0>();
       fence_acc(dk);
-      {
-        float qa[32], qb[16];
-        const uint64_t ds_a = smem_desc(ds_base, 16, 1024);  // dS^T as A (MN-major)
-        wgmma_fence();
-#pragma unroll
-        for (int j = 0; j < kBN / 16; ++j)
-          wgmma_ss_n64_tt<kHalf>(qa, desc_at(ds_a, (j * 2048) >> 4), desc_at(dk_b0, (j * 2048) >> 4), j > 0);
-#pragma unroll
-        for (int j = 0; j < kBN / 16; ++j)
-          wgmma_ss_n32_tt<kHalf>(qb, desc_at(ds_a, (j * 2048) >> 4), desc_at(dk_b1, (j * 2048) >> 4), j > 0);
-        wgmma_commit();
-        wgmma_wait<0>();
-        fence_acc(qa);
-        fence_acc(qb);
-        mbar_arrive(bar_empty(s));
-        const int64_t qrow = q_start + q0 + kr;  // accumulator rows kr, kr + 8: queries
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          if (q0 + kr + 8 * r < lq) {
-            float* dst = p.dq_accum + ((qrow + 8 * r) * p.hq + h) * kDqk + 2 * (lane % 4);
-#pragma unroll
-            for (int cc = 0; cc < 8; ++cc)
-              red_add2(dst + wg * 64 + cc * 8, qa[4 * cc + 2 * r], qa[4 * cc + 2 * r + 1]);
-#pragma unroll
-            for (int cc = 0; cc < 4; ++cc)
-              red_add2(dst + 128 + wg * 32 + cc * 8, qb[4 * cc + 2 * r], qb[4 * cc + 2 * r + 1]);
-          }
-        }
-      }
+      mbar_arrive(bar_empty(s));
+      if (i > 0) dq_step(i - 1);
     }
+    if (blocks > 0) dq_step(blocks - 1);
   }
-
   // dK * scale and dV of the keys inside the sequence.
   const float scale = p.scale;
   using Elem = uint32_t;
