@@ -27,3 +27,8 @@ for args in "16 1 0 10 rl 7" "128 1 0 3 rl 7" "16 1 0 10 4096 4096 4096 4096" "1
   set -- $args
   echo "heads $1 causal $2 $(echo "${@:5}" | cut -c1-40): $(timeout "$RUN_S" "$BIN" "$@" | grep -E "TIME|CUDA")"
 done
+if [ "${NCU:-0}" = 1 ]; then
+  ncu --kernel-name regex:mla_sm90_bwd --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section WarpStateStats \
+    --section InstructionStats "$BIN" 16 1 0 2 rl 7
+fi
