@@ -77,6 +77,17 @@ __device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
+// Shared-memory float2 / float load and store by 32-bit shared address (a generic pointer would
+// compile to generic LD / ST).
+__device__ __forceinline__ void sts_f2(uint32_t addr, float2 v) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
+}
+__device__ __forceinline__ float lds_f(uint32_t addr) {
+  float v;
+  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
+  return v;
+}
+
 template <bool kHalf>
 __device__ __forceinline__ float2 unpack2(uint32_t x) {
   if constexpr (kHalf) {
@@ -219,7 +230,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int b = p.order[lo];
   const int local = tile - p.tile_prefix[lo];
   const int lq = clamp_len(p.cu_q, b, p.tq), lk = clamp_len(p.cu_kv, b, p.tk);
-  const int64_t q_start = clamp_start(p.cu_q, b, p.tq), k_start = clamp_start(p.cu_kv, b, p.tk);
+  // Row indices fit in 32 bits (the caller routes only tq, tk < 2^31 here).
+  const int q_start = static_cast<int>(clamp_start(p.cu_q, b, p.tq));
+  const int k_start = static_cast<int>(clamp_start(p.cu_kv, b, p.tk));
   const int nkb = (lk + kBN - 1) / kBN;
   const int kvh = local / nkb;
   const int key0 = (local % nkb) * kBN;
@@ -253,7 +266,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     asm volatile("setmaxnreg.dec.sync.aligned.u32 24;\n");
     if (threadIdx.x < 32 && blocks > 0) {
       const int lane = threadIdx.x;
-      const int k_row = static_cast<int>(k_start) + key0;
+      const int k_row = k_start + key0;
       if (lane == 0) {
         mbar_expect_tx(bar_kv, kKBytes + kVBytes);
 #pragma unroll
@@ -268,7 +281,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         const uint32_t phase = (i / kStages) & 1;
         const int h = kvh * group + i / nblk;
         const int q0 = (m_begin + i % nblk) * kBM;
-        const int q_row = static_cast<int>(q_start) + q0;
+        const int q_row = q_start + q0;
         mbar_wait(bar_empty(s), phase ^ 1);
         if (lane == 0) {
           mbar_expect_tx(bar_full(s), kQBytes + kOBytes);
@@ -280,12 +293,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             tma_load_3d(base + kSmemDO + s * kOBytes + c * kBM * 128, &tdo, c * 64, h, q_row,
                         bar_full(s));
         }
-        float2* ld = reinterpret_cast<float2*>(smem + kSmemLD) + s * kBM;
+        const uint32_t ld = base + kSmemLD + s * kBM * 8;
 #pragma unroll
         for (int r = 0; r < kBM / 32; ++r) {
           const int qi = q0 + lane + 32 * r;
-          ld[lane + 32 * r] = qi < lq ? p.lse_d[static_cast<int64_t>(h) * p.tq + q_start + qi]
-                                      : make_float2(INFINITY, 0.f);
+          sts_f2(ld + (lane + 32 * r) * 8, qi < lq ? p.lse_d[static_cast<int64_t>(h) * p.tq + (q_start + qi)]
+                                                   : make_float2(INFINITY, 0.f));
         }
         mbar_arrive(bar_full(s));
       }
@@ -341,11 +354,11 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_acc(qa);
       fence_acc(qb);
       mbar_arrive(bar_ds_empty(b));
-      const int64_t qrow = q_start + q0 + kr;  // accumulator rows kr, kr + 8: queries
+      const int qrow = q_start + q0 + kr;  // accumulator rows kr, kr + 8: queries
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         if (q0 + kr + 8 * r < lq) {
-          float* dst = p.dq_accum + ((qrow + 8 * r) * p.hq + h) * kDqk + 2 * (lane % 4);
+          float* dst = p.dq_accum + (static_cast<int64_t>(qrow + 8 * r) * p.hq + h) * kDqk + 2 * (lane % 4);
 #pragma unroll
           for (int cc = 0; cc < 8; ++cc)
             red_add2(dst + wg * 64 + cc * 8, qa[4 * cc + 2 * r], qa[4 * cc + 2 * r + 1]);
@@ -367,7 +380,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool active = kw0 < lk && (!p.causal || kw0 <= q0 + kBM - 1 + shift);
       const bool full = q0 + kBM <= lq && kw0 + 64 <= lk && (!p.causal || kw0 + 63 <= q0 + shift);
       mbar_wait(bar_full(s), phase);
-      const float2* ld = reinterpret_cast<const float2*>(smem + kSmemLD) + s * kBM;
+      const uint32_t ld = base + kSmemLD + s * kBM * 8;  // lse2 / D of the block's rows
       uint32_t dsfrag[4][4];
       if (active) {
         const uint32_t q_base = base + kSmemQ + s * kQBytes;
@@ -395,7 +408,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int c = cc * 8 + 2 * (lane % 4) + e;
-            const float l2 = ld[c].x;
+            const float l2 = lds_f(ld + c * 8);
             float pa = ex2(fmaf(sacc[4 * cc + e], sl2, -l2));
             float pb = ex2(fmaf(sacc[4 * cc + 2 + e], sl2, -l2));
             if (!full) {
@@ -432,7 +445,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // dS^T = P^T (dP^T - D), from the P^T fragments, straight into the A fragments of dK.
 #pragma unroll
         for (int cc = 0; cc < 8; ++cc) {
-          const float d0 = ld[cc * 8 + 2 * (lane % 4)].y, d1 = ld[cc * 8 + 2 * (lane % 4) + 1].y;
+          const float d0 = lds_f(ld + (cc * 8 + 2 * (lane % 4)) * 8 + 4);
+          const float d1 = lds_f(ld + (cc * 8 + 2 * (lane % 4) + 1) * 8 + 4);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const float2 pr = unpack2<kHalf>(pfrag[cc / 2][(cc % 2) * 2 + r]);
@@ -485,7 +499,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   for (int r = 0; r < 2; ++r) {
     const int key = r ? key_b : key_a;
     if (key < lk) {
-      const int64_t row = k_start + key;
+      const int64_t row = k_start + key;  // widened
       Elem* dkp = static_cast<Elem*>(p.dk) + (row * p.hk + kvh) * (kDqk / 2) + (lane % 4);
       Elem* dvp = static_cast<Elem*>(p.dv) + (row * p.hk + kvh) * (kDv / 2) + (lane % 4);
 #pragma unroll
