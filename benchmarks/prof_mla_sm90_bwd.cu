@@ -160,7 +160,7 @@ int main(int argc, char** argv) {
   float scale = 1.0f / sqrtf(192.f);
   verl_ops::cuda::Sm90FwdArgs fa{q, k, v, o, lse, dcu, dcu, ws, batch, T, T, hq, hk, maxlen, scale, (bool)causal, true, false};
   CK(verl_ops::cuda::launch_sm90_forward(fa, 0));
-  verl_ops::cuda::Sm90BwdArgs ba{q, k, v, o, dout, lse, dq, dk, dv, dcu, dcu, ws, acc, lse_d,
+  verl_ops::cuda::Sm90BwdArgs ba{q, k, v, o, dout, lse, dq, dk, dv, dcu, dcu, ws, acc, lse_d, hq, 1,
                                  batch, T, T, hq, hk, scale, (bool)causal, true, false};
   CK(verl_ops::cuda::launch_sm90_backward(ba, 0));
   CK(cudaDeviceSynchronize());

@@ -1,10 +1,12 @@
-"""The varlen backend's own forward kernel for MLA head dims on Hopper (csrc/cuda/mla_sm90_fwd.cu):
-Dqk 192 / Dv 128 on compute capability 9.0 in builds for sm_90a. tests/test_mla_varlen.py checks
+"""The varlen backend's own forward and backward kernels for MLA head dims on Hopper
+(csrc/cuda/mla_sm90_fwd.cu, mla_sm90_bwd.cu): Dqk 192 / Dv 128 on compute capability 9.0 in
+builds for sm_90a. tests/test_mla_varlen.py checks
 the backend against the float64 reference at these dims (edge lengths, fp16 / bf16, grouped heads,
 cross attention, bad device offsets, CUDA graphs); here: RL-like ragged batches with many heads
-against the reference, agreement with cuDNN's forward (VERL_OPS_VARLEN_FORWARD=cudnn, in a
-subprocess: the switch is read once per process), no cuDNN plan built for the forward, and a
-forward captured in a CUDA graph without a warm-up."""
+against the reference (outputs and gradients), agreement with cuDNN's forward and backward
+(VERL_OPS_VARLEN_FORWARD=cudnn / VERL_OPS_VARLEN_BACKWARD=cudnn, in a subprocess: the switches are
+read once per process), no cuDNN plan built, and forward (+ backward) captured in a CUDA graph
+without a warm-up."""
 
 from __future__ import annotations
 
@@ -26,6 +28,10 @@ needs_own_forward = pytest.mark.skipif(
     not (HOPPER_90 and INFO["available"] and INFO["hopper_forward"]),
     reason="needs a compute capability 9.0 GPU and a build with the varlen backend for sm_90a",
 )
+needs_own_backward = pytest.mark.skipif(
+    not (HOPPER_90 and INFO["available"] and INFO["hopper_backward"]),
+    reason="needs a compute capability 9.0 GPU and a build with the varlen backend for sm_90a",
+)
 
 
 def rl_lengths(n, seed, median=600, sigma=0.9, lo=1, hi=4096):
@@ -35,11 +41,12 @@ def rl_lengths(n, seed, median=600, sigma=0.9, lo=1, hi=4096):
     return x.clamp(lo, hi).long().tolist()
 
 
-def test_cache_info_reports_the_own_forward():
-    assert isinstance(INFO["hopper_forward"], bool)
+def test_cache_info_reports_the_own_kernels():
+    assert isinstance(INFO["hopper_forward"], bool) and isinstance(INFO["hopper_backward"], bool)
     if not INFO["available"]:
-        assert INFO["hopper_forward"] is False  # no varlen backend, no forward of it
-    assert OPS.mla_cache_info(torch.empty(0)).shape == (11,)
+        # no varlen backend, no kernels of it
+        assert INFO["hopper_forward"] is False and INFO["hopper_backward"] is False
+    assert OPS.mla_cache_info(torch.empty(0)).shape == (12,)
 
 
 @pytest.mark.gpu
@@ -154,3 +161,83 @@ def test_cuda_many_sequences_in_input_order():
     lengths = torch.randint(0, 300, (1500,), generator=torch.Generator().manual_seed(9)).tolist()
     c = make_case(lengths, hq=2, hk=2, device="cuda", seed=47)
     check_against_reference(c, causal=True)
+
+
+_CUDNN_BACKWARD_SCRIPT = r"""
+import sys, torch
+sys.path[:0] = {path!r}
+from test_mla_sm90 import rl_lengths
+from test_mla_varlen import make_case, run
+from verl_ops import mla_cache_info
+assert mla_cache_info()["hopper_forward"] and not mla_cache_info()["hopper_backward"]
+results = []
+for causal, kv in ((True, None), (False, None), (True, [40, 0, 129, 64, 3])):
+    if kv is None:
+        c = make_case(rl_lengths(10, seed=6) + [1, 0], hq=8, hk=4, device="cuda", seed=48)
+    else:
+        c = make_case([300, 5, 130, 64, 0], kv_lengths=kv, hq=4, hk=2, device="cuda", seed=49)
+    out, (q, k, v) = run(c, causal=causal)
+    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(out.device, out.dtype)
+    out.backward(g)
+    results.append([t.cpu() for t in (out, q.grad, k.grad, v.grad)])
+torch.save(results, sys.argv[1])
+"""
+
+
+@pytest.mark.gpu
+@needs_own_backward
+def test_cuda_own_backward_agrees_with_cudnn_backward(tmp_path):
+    """VERL_OPS_VARLEN_BACKWARD=cudnn runs cuDNN's backward plan on the same forward: gradients
+    within bf16 rounding on an RL-like batch (causal and not, grouped heads, a sequence of length
+    0) and on bottom-right cross attention with rows and sequences that see no key."""
+    dest = tmp_path / "cudnn_bwd.pt"
+    script = _CUDNN_BACKWARD_SCRIPT.format(path=[os.path.dirname(os.path.abspath(__file__))])
+    env = dict(os.environ, VERL_OPS_VARLEN_BACKWARD="cudnn")
+    done = subprocess.run([sys.executable, "-c", script, str(dest)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    theirs = torch.load(dest)
+    cases = ((True, None), (False, None), (True, [40, 0, 129, 64, 3]))
+    for (causal, kv), want in zip(cases, theirs):
+        if kv is None:
+            c = make_case(rl_lengths(10, seed=6) + [1, 0], hq=8, hk=4, device="cuda", seed=48)
+        else:
+            c = make_case([300, 5, 130, 64, 0], kv_lengths=kv, hq=4, hk=2, device="cuda", seed=49)
+        out, (q, k, v) = run(c, causal=causal)
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(8)).to(out.device, out.dtype)
+        out.backward(g)
+        assert torch.equal(out.cpu(), want[0])  # the same forward
+        for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), want[1:]):
+            assert torch.isfinite(got).all(), name
+            assert rel_err(got, exp) < 1e-2, (name, causal, kv)
+
+
+@pytest.mark.gpu
+@needs_own_forward
+@needs_own_backward
+def test_cuda_forward_backward_build_no_plan_and_capture_without_warm_up():
+    """Forward and backward need no cuDNN plan: a new bucket builds nothing, and both are captured
+    in a CUDA graph on their first call and replayed on new data equal to eager calls."""
+    lengths, scale = [77, 5, 0, 300, 129], 0.0667  # a scale of its own: a bucket no other test uses
+    c = make_case(lengths, hq=4, hk=2, device="cuda", seed=50)
+    static = {n: c[n].clone().requires_grad_(True) for n in ("q", "k", "v")}
+    grad = torch.randn(sum(lengths), 4, 128, device="cuda", dtype=torch.bfloat16)
+    builds = mla_cache_info()["builds"]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = mla_forward_padded(static["q"], static["k"], static["v"], c["cu_q"], c["cu_kv"], 300, 300,
+                                        softmax_scale=scale, backend="varlen")
+        static_out.backward(grad)
+    assert mla_cache_info()["builds"] == builds
+    fresh = make_case(lengths, hq=4, hk=2, device="cuda", seed=51)
+    for n in ("q", "k", "v"):
+        static[n].data.copy_(fresh[n])
+    graph.replay()
+    torch.cuda.synchronize()
+    out, (q, k, v) = run(fresh, scale=scale)
+    out.backward(grad)
+    assert torch.equal(static_out, out)
+    for n, t in zip("qkv", (q, k, v)):
+        assert torch.isfinite(static[n].grad).all(), n
+        assert rel_err(static[n].grad, t.grad) < 1e-2, n  # dq adds partial sums in any order
+    assert mla_cache_info()["builds"] == builds

@@ -159,8 +159,8 @@ def test_cpu_varlen_is_the_reference(causal):
 def test_cache_info_fields():
     info = mla_cache_info()
     counters = ("size", "hits", "misses", "builds", "failures", "evictions", "capacity", "failed_buckets")
-    assert set(info) == {"available", "cudnn_version", "hopper_forward", *counters}
-    assert isinstance(info["available"], bool) and isinstance(info["hopper_forward"], bool)
+    assert set(info) == {"available", "cudnn_version", "hopper_forward", "hopper_backward", *counters}
+    assert all(isinstance(info[n], bool) for n in ("available", "hopper_forward", "hopper_backward"))
     assert all(isinstance(info[n], int) and info[n] >= 0 for n in counters)
     if info["available"]:
         assert verl_ops.cuda_available()
@@ -305,11 +305,11 @@ def test_cuda_plan_cache_reused_within_a_bucket():
         out.backward(torch.ones_like(out))
         torch.cuda.synchronize()
 
-    # Forward and backward have a plan each, except where the forward at these head dims
-    # (192 / 128) runs the own SM90 kernel (compute capability 9.0), which needs none
-    # (tests/test_mla_sm90.py).
-    own_forward = mla_cache_info()["hopper_forward"] and torch.cuda.get_device_capability() == (9, 0)
-    plans = 1 if own_forward else 2
+    # Forward and backward have a plan each, except where they run the own SM90 kernels at these
+    # head dims (192 / 128, compute capability 9.0), which need none (tests/test_mla_sm90.py).
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    info = mla_cache_info()
+    plans = sum(not (info[n] and hopper) for n in ("hopper_forward", "hopper_backward"))
     step([700, 300, 5, 900, 129])  # bucket: 8 sequences, max_seqlen 1024, ~2k tokens
     before = mla_cache_info()
     step([900, 129, 700, 5, 300])

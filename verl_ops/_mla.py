@@ -18,7 +18,7 @@ BACKENDS = ("auto", "padded", "native", "varlen")
 EXTRA_BACKENDS = ("fa4",)
 
 _CACHE_FIELDS = ("available", "size", "hits", "misses", "builds", "failures", "evictions", "capacity",
-                 "failed_buckets", "cudnn_version", "hopper_forward")
+                 "failed_buckets", "cudnn_version", "hopper_forward", "hopper_backward")
 
 
 def _setup_context(ctx, inputs, output):
@@ -204,8 +204,10 @@ def mla_cache_info(*, capacity: int | None = None) -> dict:
         not built). ``backend="auto"`` uses varlen only with cuDNN 9.7.0 or newer.
         ``"hopper_forward": bool``: the backend's forward runs verl_ops' own SM90 kernel (built
         for sm_90a, see setup.py) for head dims 192 / 128 on compute capability 9.0 GPUs instead
-        of a cuDNN plan (its backward stays cuDNN's); ``VERL_OPS_VARLEN_FORWARD=cudnn`` (read
-        once per process) turns it off.
+        of a cuDNN plan; ``VERL_OPS_VARLEN_FORWARD=cudnn`` (read once per process) turns it off.
+        ``"hopper_backward": bool``: likewise for the backward (csrc/cuda/mla_sm90_bwd.cu);
+        ``VERL_OPS_VARLEN_BACKWARD=cudnn`` turns it off. Either kernel reads what either forward
+        wrote.
     """
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ValueError(f"mla_cache_info: capacity must be an int >= 0 (0: no limit), got {capacity!r}")
@@ -213,6 +215,7 @@ def mla_cache_info(*, capacity: int | None = None) -> dict:
     info = dict(zip(_CACHE_FIELDS, values))
     info["available"] = bool(info["available"])
     info["hopper_forward"] = bool(info.get("hopper_forward", 0))
+    info["hopper_backward"] = bool(info.get("hopper_backward", 0))
     return info
 
 

@@ -21,6 +21,7 @@
 #include "mla_sm90_bwd.h"
 
 #include "mla_sm90_common.cuh"
+#include "mla_sm90_fwd.h"
 
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -29,6 +30,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 namespace verl_ops {
 namespace cuda {
@@ -518,6 +521,7 @@ template <bool kHalf>
 __global__ void __launch_bounds__(256) bwd_pre_kernel(const uint4* __restrict__ out,
                                                       const uint4* __restrict__ dout,
                                                       const float* __restrict__ lse,
+                                                      int64_t lse_sr, int64_t lse_sh,
                                                       float2* __restrict__ lse_d, int64_t tq, int hq) {
   const int64_t gid = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   const int64_t pair = gid / 16;
@@ -545,7 +549,7 @@ __global__ void __launch_bounds__(256) bwd_pre_kernel(const uint4* __restrict__ 
   if (ok && part == 0) {
     const int64_t row = pair / hq;
     const int h = static_cast<int>(pair % hq);
-    lse_d[h * tq + row] = make_float2(lse[pair] * 1.4426950408889634f, acc);
+    lse_d[h * tq + row] = make_float2(lse[row * lse_sr + h * lse_sh] * 1.4426950408889634f, acc);
   }
 }
 
@@ -573,7 +577,8 @@ cudaError_t launch_bwd(const Sm90BwdArgs& a, BwdParams& p, cudaStream_t stream) 
   {
     const int64_t threads = a.tq * a.hq * 16;
     bwd_pre_kernel<kHalf><<<static_cast<unsigned>((threads + 255) / 256), 256, 0, stream>>>(
-        static_cast<const uint4*>(a.out), static_cast<const uint4*>(a.dout), a.lse, a.lse_d, a.tq,
+        static_cast<const uint4*>(a.out), static_cast<const uint4*>(a.dout), a.lse, a.lse_row_stride,
+        a.lse_head_stride, a.lse_d, a.tq,
         static_cast<int>(a.hq));
   }
   auto kernel = mla_sm90_bwd_kernel<kHalf>;
@@ -601,6 +606,32 @@ cudaError_t launch_bwd(const Sm90BwdArgs& a, BwdParams& p, cudaStream_t stream) 
 }
 
 }  // namespace
+
+bool sm90_backward_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("VERL_OPS_VARLEN_BACKWARD");
+    return sm90_forward_compiled() && !(env != nullptr && std::strcmp(env, "cudnn") == 0);
+  }();
+  return enabled;
+}
+
+bool sm90_backward_device(int device) {
+  // The forward's device test (compute capability 9.0, the tensor-map encoder) without its switch.
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int> known[kMaxDevices];  // 0: not queried yet, 1: no, 2: yes
+  if (!sm90_backward_enabled() || device < 0 || device >= kMaxDevices) return false;
+  int k = known[device].load(std::memory_order_relaxed);
+  if (k == 0) {
+    int major = 0, minor = 0;
+    const bool ok =
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess;
+    if (!ok) (void)cudaGetLastError();
+    k = ok && major == 9 && minor == 0 && encode_fn() != nullptr ? 2 : 1;
+    known[device].store(k, std::memory_order_relaxed);
+  }
+  return k == 2;
+}
 
 cudaError_t launch_sm90_backward(const Sm90BwdArgs& a, cudaStream_t stream) {
   if (a.batch <= 0) return cudaSuccess;

@@ -14,7 +14,8 @@ struct Sm90BwdArgs {
   const void* v;     // [tk, hk, 128]
   const void* out;   // [tq, hq, 128]: the forward's output
   const void* dout;  // [tq, hq, 128]
-  const float* lse;  // [tq, hq]: the forward's natural-log log-sum-exp, +inf where no key is seen
+  const float* lse;  // the forward's natural-log log-sum-exp of (row, head) at
+                     // row * lse_row_stride + head * lse_head_stride, +inf where no key is seen
   void* dq;          // [tq, hq, 192]: every row written (zeros outside the sequences)
   void* dk;          // [tk, hk, 192]: the rows inside the sequences written
   void* dv;          // [tk, hk, 128]: likewise
@@ -23,6 +24,7 @@ struct Sm90BwdArgs {
   int32_t* workspace;  // sm90_backward_workspace_ints(batch) int32 on the device
   float* dq_accum;     // [tq, hq, 192] fp32 on the device
   float2* lse_d;       // [hq, tq] on the device
+  int64_t lse_row_stride, lse_head_stride;
   int64_t batch, tq, tk, hq, hk;
   float scale;
   bool causal, bottom_right, half;
@@ -30,6 +32,15 @@ struct Sm90BwdArgs {
 
 inline int64_t sm90_backward_workspace_ints(int64_t batch) { return 2 * batch + 2; }
 
+// The varlen backend runs its backward with this kernel where sm90_forward_device(device) holds
+// (compiled for sm_90a, compute capability 9.0, the driver's tensor-map encoder) and
+// VERL_OPS_VARLEN_BACKWARD (read once) is not "cudnn".
+bool sm90_backward_enabled();
+bool sm90_backward_device(int device);
+
+// Writes dq for every row (zeros outside the sequences) and dk / dv for every key row inside a
+// sequence (zeros where no query sees the key); key rows outside every sequence are left as they
+// are. No host read, no plan: capturable in a CUDA graph.
 cudaError_t launch_sm90_backward(const Sm90BwdArgs& a, cudaStream_t stream);
 
 }  // namespace cuda

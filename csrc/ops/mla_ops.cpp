@@ -8,6 +8,7 @@
 #include "../cpu/mla_kernels.h"
 #ifdef VERL_OPS_WITH_CUDNN_FE
 #include "../cuda/mla_cudnn_varlen.h"
+#include "../cuda/mla_sm90_bwd.h"
 #include "../cuda/mla_sm90_fwd.h"
 #endif
 
@@ -286,6 +287,7 @@ Tensor mla_cache_info(const Tensor& like, int64_t capacity) {
   p[8] = s.failed_buckets;
   p[9] = cuda::varlen_cudnn_version();
   p[10] = cuda::sm90_forward_enabled() ? 1 : 0;
+  p[11] = cuda::sm90_backward_enabled() ? 1 : 0;
 #endif
   return info;
 }

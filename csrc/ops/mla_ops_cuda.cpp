@@ -42,6 +42,7 @@
 #include "../cuda/mla_kernels.h"
 #ifdef VERL_OPS_WITH_CUDNN_FE
 #include "../cuda/mla_cudnn_varlen.h"
+#include "../cuda/mla_sm90_bwd.h"
 #include "../cuda/mla_sm90_fwd.h"
 #endif
 #include "mla_ops.h"
@@ -415,6 +416,54 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(
     const Tensor& out, const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
     const Tensor& cu_seqlens_kv, const MlaSizes& s, int64_t max_seqlen_q, int64_t max_seqlen_kv,
     bool causal, double scale) {
+  constexpr int64_t kInt32Rows = std::numeric_limits<int32_t>::max();
+  if (s.dqk == 192 && s.dv == 128 && s.tq < kInt32Rows && s.tk < kInt32Rows &&
+      cuda::sm90_backward_device(q.get_device_index())) {
+    // MLA's head dims on Hopper: the own SM90 backward (csrc/cuda/mla_sm90_bwd.cu). It reads the
+    // forward's output and log-sum-exp as they are (either forward's), writes every dq row and
+    // the dk / dv rows of every sequence (zeros where no query sees a key), needs no plan and no
+    // host read. Its workspace: dq's fp32 accumulator and lse / D per head and row.
+    const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
+    const Tensor oc = cudnn_rows(out), gc = cudnn_rows(grad_out);
+    const Tensor lse = st::contiguous(softmax_lse);  // [Hq, Tq]
+    const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
+    Tensor dq = st::empty(q, {s.tq, s.hq, s.dqk}, q.scalar_type());
+    Tensor dk = st::empty(k, {s.tk, s.hk, s.dqk}, k.scalar_type());
+    Tensor dv = st::empty(v, {s.tk, s.hk, s.dv}, v.scalar_type());
+    Tensor accum = st::empty(q, {s.tq, s.hq, s.dqk}, st::kFloat);
+    Tensor lse_d = st::empty(q, {s.hq, s.tq, 2}, st::kFloat);
+    Tensor ws = st::empty(q, {cuda::sm90_backward_workspace_ints(s.batch)}, st::kInt);
+    const bool self_attention = shares_offsets(cu_seqlens_q, cu_seqlens_kv) && s.tq == s.tk &&
+                                max_seqlen_q == max_seqlen_kv;
+    cuda::Sm90BwdArgs a{};
+    a.q = qc.data_ptr();
+    a.k = kc.data_ptr();
+    a.v = vc.data_ptr();
+    a.out = oc.data_ptr();
+    a.dout = gc.data_ptr();
+    a.lse = st::ptr<float>(lse);
+    a.lse_row_stride = 1;
+    a.lse_head_stride = s.tq;
+    a.dq = dq.data_ptr();
+    a.dk = dk.data_ptr();
+    a.dv = dv.data_ptr();
+    a.cu_q = st::ptr<int32_t>(cu_q);
+    a.cu_kv = st::ptr<int32_t>(cu_kv);
+    a.workspace = st::ptr<int32_t>(ws);
+    a.dq_accum = st::ptr<float>(accum);
+    a.lse_d = reinterpret_cast<float2*>(st::ptr<float>(lse_d));
+    a.batch = s.batch;
+    a.tq = s.tq;
+    a.tk = s.tk;
+    a.hq = s.hq;
+    a.hk = s.hk;
+    a.scale = static_cast<float>(scale);
+    a.causal = causal;
+    a.bottom_right = causal && !self_attention;
+    a.half = q.scalar_type() == st::kHalf;
+    st::check_launch(op, cuda::launch_sm90_backward(a, st::current_stream(q)));
+    return {dq, dk, dv};
+  }
   const VarlenCall c = prepare_varlen(op, true, q, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
                                       max_seqlen_kv, causal, scale);
   const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
