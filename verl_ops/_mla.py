@@ -205,9 +205,9 @@ def mla_cache_info(*, capacity: int | None = None) -> dict:
         ``"hopper_forward": bool``: the backend's forward runs verl_ops' own SM90 kernel (built
         for sm_90a, see setup.py) for head dims 192 / 128 on compute capability 9.0 GPUs instead
         of a cuDNN plan; ``VERL_OPS_VARLEN_FORWARD=cudnn`` (read once per process) turns it off.
-        ``"hopper_backward": bool``: likewise for the backward (csrc/cuda/mla_sm90_bwd.cu);
-        ``VERL_OPS_VARLEN_BACKWARD=cudnn`` turns it off. Either kernel reads what either forward
-        wrote.
+        ``"hopper_backward": bool``: likewise for the backward (csrc/cuda/mla_sm90_bwd.cu), which
+        is opt-in for now (``VERL_OPS_VARLEN_BACKWARD=sm90``, read once per process): it is not
+        yet faster than cuDNN's backward, which reads the same forward outputs.
     """
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ValueError(f"mla_cache_info: capacity must be an int >= 0 (0: no limit), got {capacity!r}")
