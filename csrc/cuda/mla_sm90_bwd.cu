@@ -100,9 +100,16 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   }
 }
 
-// A vector reduction (RED.E.ADD.F32x2 on sm_90: the result is unused).
+// A vector reduction (RED.E.ADD.F32x2 on sm_90: the result is unused). The float2 overload of
+// atomicAdd exists from sm_90 on; the kernel that calls this is compiled for sm_90a only.
 __device__ __forceinline__ void red_add2(float* addr, float a, float b) {
+#if defined(VERL_OPS_SM90A)
   atomicAdd(reinterpret_cast<float2*>(addr), make_float2(a, b));
+#else
+  (void)addr;
+  (void)a;
+  (void)b;
+#endif
 }
 
 // D[64x64] (+)= A[64x16] (shared, K-major) * B[16x64] (shared, K-major).
@@ -636,8 +643,15 @@ bool sm90_backward_device(int device) {
 }
 
 cudaError_t launch_sm90_backward(const Sm90BwdArgs& a, cudaStream_t stream) {
-  if (a.batch <= 0) return cudaSuccess;
-  if (a.tq <= 0) return cudaSuccess;
+  if (a.batch <= 0 || a.tq <= 0 || a.tk <= 0) {
+    // No query or no key anywhere: every gradient is zero (the tensor maps need rows).
+    const size_t elem = 2;
+    cudaError_t err = cudaSuccess;
+    if (a.tq > 0) err = cudaMemsetAsync(a.dq, 0, elem * a.tq * a.hq * kDqk, stream);
+    if (err == cudaSuccess && a.tk > 0) err = cudaMemsetAsync(a.dk, 0, elem * a.tk * a.hk * kDqk, stream);
+    if (err == cudaSuccess && a.tk > 0) err = cudaMemsetAsync(a.dv, 0, elem * a.tk * a.hk * kDv, stream);
+    return err;
+  }
   BwdParams p;
   p.order = a.workspace;
   p.tile_prefix = a.workspace + a.batch;

@@ -40,7 +40,9 @@ bool sm90_backward_device(int device);
 
 // Writes dq for every row (zeros outside the sequences) and dk / dv for every key row inside a
 // sequence (zeros where no query sees the key); key rows outside every sequence are left as they
-// are. No host read, no plan: capturable in a CUDA graph.
+// are (all of them zero when there is no query row or no key row at all). Offsets are trusted as
+// the op's contract states them (non-decreasing, cu[batch] the row count): the grid is sized for
+// that. No host read, no plan: capturable in a CUDA graph.
 cudaError_t launch_sm90_backward(const Sm90BwdArgs& a, cudaStream_t stream);
 
 }  // namespace cuda
