@@ -1,20 +1,23 @@
 // Backward attention of the varlen backend on Hopper (SM90a) for MLA's head dims: packed THD rows,
 // Dqk 192 / Dv 128, fp16 or bf16, causal (top-left or bottom-right) or not, grouped kv heads.
-// Reads what the forward (mla_sm90_fwd.cu) wrote: O and the natural-log log-sum-exp [Tq, Hq].
+// Reads what either forward (mla_sm90_fwd.cu or cuDNN's) wrote: O and the natural-log log-sum-exp (by strides).
 //
 // Three kernels:
 // - pre: D = rowsum(dO * O) per row and head, next to lse * log2(e), as float2 [Hq, Tq]
 //   (dQ's fp32 accumulator is zeroed by a memset before it).
-// - main: a CTA per (sequence, kv head, block of 128 keys), 384 threads. A producer warpgroup
-//   (one thread) loads the block's K (128 x 192) and V (128 x 128) once, then for each q head of
-//   the group and each 64-row query block that sees one of these keys its Q (64 x 192) and dO
-//   (64 x 128) through TMA (128-byte swizzle) into a two-stage ring. Two consumer warpgroups,
-//   64 keys each, hold dK (64 x 192) and dV (64 x 128) in fp32 registers over all query blocks:
-//     S^T = K Q^T and dP^T = V dO^T     (wgmma, both operands in shared memory)
-//     P^T = exp2(S^T * scale * log2(e) - lse2), masked; dS^T = P^T * (dP^T - D)
-//     dV += P^T dO and dK += dS^T Q     (wgmma, P^T / dS^T from registers)
-//     dQ += dS K                        (dS^T through shared memory, three 64-column chunks,
-//                                        added to the fp32 accumulator with vector reductions)
+// - main: a CTA per (sequence, kv head, block of 128 keys), 384 threads. Warp 0 of the producer
+//   warpgroup loads the block's K (128 x 192) and V (128 x 128) once, then, for each q head of
+//   the group and each 64-row query block that sees one of these keys, its Q (64 x 192) and dO
+//   (64 x 128) through TMA (128-byte swizzle) and its rows' lse2 / D into a two-stage ring. Two
+//   consumer warpgroups, 64 keys each, hold dK (64 x 192) and dV (64 x 128) in fp32 registers
+//   over all query blocks (160 of their 240 registers, so S^T and dP^T are never live together):
+//     S^T = K Q^T                       (wgmma, both operands in shared memory)
+//     P^T = exp2(S^T * scale * log2(e) - lse2), masked, into bf16 / fp16 A fragments
+//     dV += P^T dO and dP^T = V dO^T    (issued together)
+//     dS^T = P^T * (dP^T - D);  dK += dS^T Q  (A fragments from registers)
+//     dS^T to shared memory; a block later, once both warpgroups' halves are there (mbarriers,
+//     two buffers), dQ (64 rows) += dS K over the 128 keys, warpgroup w taking the 64 columns
+//     64 w ... and 32 of the last 64, added to the fp32 accumulator with vector reductions
 //   and write dK * scale and dV for the keys inside the sequence (zeros where no query sees them).
 // - post: dQ = accumulator * scale, to the input dtype, for every row.
 // Sequences run longest first (the forward's schedule kernel over the key lengths), no host read.
