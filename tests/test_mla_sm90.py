@@ -28,13 +28,13 @@ needs_own_forward = pytest.mark.skipif(
     not (HOPPER_90 and INFO["available"] and INFO["hopper_forward"]),
     reason="needs a compute capability 9.0 GPU and a build with the varlen backend for sm_90a",
 )
-# The own backward is opt-in (VERL_OPS_VARLEN_BACKWARD=sm90): the tests that need it run in a
-# subprocess with it turned on (test_cuda_own_backward_module_in_subprocess), where every reference
-# check of this module then goes through it.
+# The own backward runs by default (VERL_OPS_VARLEN_BACKWARD=cudnn turns it off): every reference
+# check of this module goes through it; test_cuda_cudnn_backward_module_in_subprocess runs them all
+# again with cuDNN's backward.
 needs_own_backward = pytest.mark.skipif(
     not (HOPPER_90 and INFO["available"] and INFO["hopper_backward"]),
-    reason="needs a compute capability 9.0 GPU, a build with the varlen backend for sm_90a and "
-    "VERL_OPS_VARLEN_BACKWARD=sm90",
+    reason="needs a compute capability 9.0 GPU, a build with the varlen backend for sm_90a, and "
+    "VERL_OPS_VARLEN_BACKWARD not set to cudnn",
 )
 
 
@@ -249,16 +249,21 @@ def test_cuda_forward_backward_build_no_plan_and_capture_without_warm_up():
 
 @pytest.mark.gpu
 @needs_own_forward
-@pytest.mark.skipif(INFO["hopper_backward"], reason="already runs with the own backward")
-def test_cuda_own_backward_module_in_subprocess():
-    """This module again with VERL_OPS_VARLEN_BACKWARD=sm90: the reference checks (RL batches causal
+@needs_own_backward
+def test_cuda_cudnn_backward_module_in_subprocess():
+    """This module again with VERL_OPS_VARLEN_BACKWARD=cudnn: the reference checks (RL batches causal
     and not, long sequences with grouped heads, fp16 / bf16 cross attention with rows that see no
-    key, 1500 sequences) through the own backward, its agreement with cuDNN's, and its capture."""
-    env = dict(os.environ, VERL_OPS_VARLEN_BACKWARD="sm90")
+    key, 1500 sequences) through cuDNN's backward plan on the own forward, which users who turn the
+    own backward off get."""
+    env = dict(os.environ, VERL_OPS_VARLEN_BACKWARD="cudnn", COLUMNS="1000")  # skip reasons unwrapped
     here = os.path.dirname(os.path.abspath(__file__))
     done = subprocess.run([sys.executable, "-m", "pytest", os.path.join(here, "test_mla_sm90.py"), "-q", "-m", "gpu",
-                           "-p", "no:cacheprovider", "-k", "not module_in_subprocess"],
+                           "-p", "no:cacheprovider", "-k", "not module_in_subprocess", "-rs"],
                           env=env, capture_output=True, text=True, timeout=900, cwd=here)
     tail = (done.stdout + done.stderr)[-3000:]
     assert done.returncode == 0, tail
-    assert " passed" in done.stdout and " skipped" not in done.stdout.splitlines()[-1], tail
+    last = done.stdout.strip().splitlines()[-1]
+    assert " passed" in last, tail
+    # The switch took effect there: the tests that need the own backward are skipped for it.
+    skips = [line for line in done.stdout.splitlines() if line.startswith("SKIPPED")]
+    assert any("VERL_OPS_VARLEN_BACKWARD" in line for line in skips), tail

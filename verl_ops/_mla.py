@@ -206,8 +206,8 @@ def mla_cache_info(*, capacity: int | None = None) -> dict:
         for sm_90a, see setup.py) for head dims 192 / 128 on compute capability 9.0 GPUs instead
         of a cuDNN plan; ``VERL_OPS_VARLEN_FORWARD=cudnn`` (read once per process) turns it off.
         ``"hopper_backward": bool``: likewise for the backward (csrc/cuda/mla_sm90_bwd.cu), which
-        is opt-in for now (``VERL_OPS_VARLEN_BACKWARD=sm90``, read once per process): it is not
-        yet faster than cuDNN's backward, which reads the same forward outputs.
+        reads either forward's outputs; ``VERL_OPS_VARLEN_BACKWARD=cudnn`` (read once per
+        process) keeps cuDNN's backward plan instead.
     """
     if capacity is not None and (isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 0):
         raise ValueError(f"mla_cache_info: capacity must be an int >= 0 (0: no limit), got {capacity!r}")

@@ -17,7 +17,9 @@
 //     dS^T = P^T * (dP^T - D);  dK += dS^T Q  (A fragments from registers)
 //     dS^T to shared memory; a block later, once both warpgroups' halves are there (mbarriers,
 //     two buffers), dQ (64 rows) += dS K over the 128 keys, warpgroup w taking the 64 columns
-//     64 w ... and 32 of the last 64, added to the fp32 accumulator with vector reductions
+//     64 w ... and 32 of the last 64, added to the fp32 accumulator with 16-byte vector
+//     reductions (the two lanes of a pair swap a column pair first, so each holds four
+//     consecutive columns: half the reductions of 8-byte ones, and 1.08-1.14x the backward)
 //   and write dK * scale and dV for the keys inside the sequence (zeros where no query sees them).
 // - post: dQ = accumulator * scale, to the input dtype, for every row.
 // Sequences run longest first (the forward's schedule kernel over the key lengths), no host read.
@@ -103,15 +105,15 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   }
 }
 
-// A vector reduction (RED.E.ADD.F32x2 on sm_90: the result is unused). The float2 overload of
-// atomicAdd exists from sm_90 on; the kernel that calls this is compiled for sm_90a only.
-__device__ __forceinline__ void red_add2(float* addr, float a, float b) {
+// A vector reduction of four floats (16 bytes, aligned; RED.E.ADD.F32x4 on sm_90: the result is
+// unused). The float4 overload of atomicAdd exists from sm_90 on; the kernel that calls this is
+// compiled for sm_90a only.
+__device__ __forceinline__ void red_add4(float* addr, float4 v) {
 #if defined(VERL_OPS_SM90A)
-  atomicAdd(reinterpret_cast<float2*>(addr), make_float2(a, b));
+  atomicAdd(reinterpret_cast<float4*>(addr), v);
 #else
   (void)addr;
-  (void)a;
-  (void)b;
+  (void)v;
 #endif
 }
 
@@ -368,17 +370,29 @@ __global__ void __launch_bounds__(kThreads, 1)
       fence_acc(qb);
       mbar_arrive(bar_ds_empty(b));
       const int qrow = q_start + q0 + kr;  // accumulator rows kr, kr + 8: queries
+      // Lanes 2u and 2u + 1 of a quad swap one column pair per two 8-column chunks, so each holds
+      // four consecutive columns: one 16-byte reduction where there were two 8-byte ones.
+      const bool odd = lane & 1;
+      const int q4 = 2 * (lane % 4) - (odd ? 2 : 0);  // first column of the four, in the chunk
+      // One chunk pair: c0 = 2 cp, c1 = c0 + 1 of the accumulator x (32 or 16 floats), added at
+      // column offset col of the row.
+      auto pair4 = [&](const float* x, int cp, int r, bool ok, float* dst) {
+        const int c0 = 2 * cp, c1 = c0 + 1;
+        const float sx = odd ? x[4 * c0 + 2 * r] : x[4 * c1 + 2 * r];
+        const float sy = odd ? x[4 * c0 + 2 * r + 1] : x[4 * c1 + 2 * r + 1];
+        const float rx = __shfl_xor_sync(0xffffffffu, sx, 1), ry = __shfl_xor_sync(0xffffffffu, sy, 1);
+        const float4 v = odd ? make_float4(rx, ry, x[4 * c1 + 2 * r], x[4 * c1 + 2 * r + 1])
+                             : make_float4(x[4 * c0 + 2 * r], x[4 * c0 + 2 * r + 1], rx, ry);
+        if (ok) red_add4(dst + cp * 16, v);
+      };
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        if (q0 + kr + 8 * r < lq) {
-          float* dst = p.dq_accum + (static_cast<int64_t>(qrow + 8 * r) * p.hq + h) * kDqk + 2 * (lane % 4);
+        const bool ok = q0 + kr + 8 * r < lq;
+        float* dst = p.dq_accum + (static_cast<int64_t>(qrow + 8 * r) * p.hq + h) * kDqk + q4 + (odd ? 8 : 0);
 #pragma unroll
-          for (int cc = 0; cc < 8; ++cc)
-            red_add2(dst + wg * 64 + cc * 8, qa[4 * cc + 2 * r], qa[4 * cc + 2 * r + 1]);
+        for (int cp = 0; cp < 4; ++cp) pair4(qa, cp, r, ok, dst + wg * 64);
 #pragma unroll
-          for (int cc = 0; cc < 4; ++cc)
-            red_add2(dst + 128 + wg * 32 + cc * 8, qb[4 * cc + 2 * r], qb[4 * cc + 2 * r + 1]);
-        }
+        for (int cp = 0; cp < 2; ++cp) pair4(qb, cp, r, ok, dst + 128 + wg * 32);
       }
     };
 
@@ -618,11 +632,11 @@ cudaError_t launch_bwd(const Sm90BwdArgs& a, BwdParams& p, cudaStream_t stream) 
 }  // namespace
 
 bool sm90_backward_enabled() {
-  // Opt-in for now: on an H200 it measures 0.95-1.03x cuDNN's backward at the op level
-  // (benchmarks/RESULTS.md), so cuDNN's stays the default until it is ahead.
+  // On by default (on an H200 it is 1.02-1.14x cuDNN's backward at the op level, see
+  // benchmarks/RESULTS.md); VERL_OPS_VARLEN_BACKWARD=cudnn keeps cuDNN's backward plan.
   static const bool enabled = [] {
     const char* env = std::getenv("VERL_OPS_VARLEN_BACKWARD");
-    return sm90_forward_compiled() && env != nullptr && std::strcmp(env, "sm90") == 0;
+    return sm90_forward_compiled() && !(env != nullptr && std::strcmp(env, "cudnn") == 0);
   }();
   return enabled;
 }

@@ -32,9 +32,9 @@ struct Sm90BwdArgs {
 
 inline int64_t sm90_backward_workspace_ints(int64_t batch) { return 2 * batch + 2; }
 
-// The varlen backend runs its backward with this kernel when VERL_OPS_VARLEN_BACKWARD=sm90 (read
-// once; opt-in while it is not faster than cuDNN's) on a device where the forward's test holds
-// (compiled for sm_90a, compute capability 9.0, the driver's tensor-map encoder).
+// The varlen backend runs its backward with this kernel (unless VERL_OPS_VARLEN_BACKWARD=cudnn,
+// read once) on a device where the forward's test holds (compiled for sm_90a, compute capability
+// 9.0, the driver's tensor-map encoder).
 bool sm90_backward_enabled();
 bool sm90_backward_device(int device);
 

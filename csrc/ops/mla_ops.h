@@ -116,7 +116,7 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cpu(
 // the backend's forward runs the own SM90 kernel for Dqk 192 / Dv 128 on compute capability 9.0
 // (csrc/cuda/mla_sm90_fwd.cu: built for 9.0a and not turned off by
 // VERL_OPS_VARLEN_FORWARD=cudnn), 1 when its backward runs the own SM90 kernel likewise
-// (csrc/cuda/mla_sm90_bwd.cu; opt-in: VERL_OPS_VARLEN_BACKWARD=sm90)}. `like` is any CPU tensor (the op needs one tensor argument to
+// (csrc/cuda/mla_sm90_bwd.cu; not turned off by VERL_OPS_VARLEN_BACKWARD=cudnn)}. `like` is any CPU tensor (the op needs one tensor argument to
 // dispatch). `capacity` >= 0 sets the cache's capacity first (-1: unchanged).
 constexpr int64_t kMlaCacheInfoFields = 12;
 Tensor mla_cache_info(const Tensor& like, int64_t capacity);

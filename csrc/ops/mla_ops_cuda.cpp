@@ -419,7 +419,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(
   constexpr int64_t kInt32Rows = std::numeric_limits<int32_t>::max();
   if (s.dqk == 192 && s.dv == 128 && s.tq < kInt32Rows && s.tk < kInt32Rows &&
       cuda::sm90_backward_device(q.get_device_index())) {
-    // MLA's head dims on Hopper, opted in (VERL_OPS_VARLEN_BACKWARD=sm90): the own SM90 backward
+    // MLA's head dims on Hopper (unless VERL_OPS_VARLEN_BACKWARD=cudnn): the own SM90 backward
     // (csrc/cuda/mla_sm90_bwd.cu). It reads the
     // forward's output and log-sum-exp as they are (either forward's), writes every dq row and
     // the dk / dv rows of every sequence (zeros where no query sees a key), needs no plan and no
