@@ -329,7 +329,7 @@ def plot(results, floor, path):
                 vals.append(row.get(key, 0.0))
             ax.bar([j + i * width for j in range(len(shapes))], vals, width, label=m)
         ax.axhline(floor, color="k", linestyle="--", linewidth=1, label=f"bf16 matmul floor {floor:.0f}")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], shapes, rotation=20, ha="right")
         ax.set_title(f"mla_forward_padded {title}, causal 192/128 bf16")
         ax.set_ylabel("TFLOP/s")
     axes[1].legend(fontsize=8, loc="upper left")
