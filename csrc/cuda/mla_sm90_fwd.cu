@@ -9,9 +9,10 @@
 //   the next ones come from an atomic counter (dynamic: ragged tiles balance across SMs).
 // - Producer warpgroup (one thread): decodes each tile (sequence, head, query tile, key tiles)
 //   and hands it to the consumers whole through a two-slot ring in shared memory (they start on
-//   it without the decode's dependent global loads), loads the tile's Q (128 x 192) once and its K (128 x 192) and V (128 x 128) tiles through
-//   TMA (128-byte swizzle, the wgmma operand layout) into a two-stage ring with separate K and V
-//   barriers, so the next K loads while V is still in use.
+//   it without the decode's dependent global loads), loads the tile's Q (128 x 192) once and its
+//   K (128 x 192) and V (128 x 128) tiles through TMA (128-byte swizzle, the wgmma operand
+//   layout) into a two-stage ring with separate K and V barriers, so the next K loads while V
+//   is still in use.
 // - Two consumer warpgroups, 64 query rows each: S = Q K^T (wgmma, both operands in shared
 //   memory), online softmax in registers (exp2, the running max moved only when it grows by
 //   more than 2^8, so O is rarely rescaled), O += P V (wgmma, P from registers). The S GEMM of
@@ -64,7 +65,7 @@ constexpr int kSmemK = kSmemQ + kQBytes;
 constexpr int kSmemV = kSmemK + kStages * kKBytes;
 constexpr int kSmemBar = kSmemV + kStages * kVBytes;
 constexpr int kNumBars = 2 + 4 * kStages + 4;  // q full / empty, K / V full / empty, tile ring
-constexpr int kSlotInts = 8;                          // a decoded tile (TileSlot) per ring slot
+constexpr int kSlotInts = 8;                         // a decoded tile (TileInfo as 8 ints) per ring slot
 constexpr int kSmemSlots = kSmemBar + kNumBars * 8;  // the tile ring's two slots
 constexpr int kSmemScratch = kSmemSlots + 2 * kSlotInts * 4;  // a word written, never read (see the loop)
 // The epilogue's staging of O: per consumer warpgroup 64 rows x 64 columns (half of O at a time),
