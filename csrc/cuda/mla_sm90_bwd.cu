@@ -521,6 +521,61 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   // dK * scale and dV of the keys inside the sequence.
   const float scale = p.scale;
+#if defined(VERL_OPS_BWD_SMEM_EPI)
+  // Experiment (compile-time, off; not measured yet): through shared memory, as the forward's
+  // epilogue, so that whole rows (384 bytes of dK, 256 of dV) are stored in 16-byte chunks instead
+  // of 4-byte words scattered over 8 rows per warp store. The Q / dO stages (80 KiB) hold both
+  // warpgroups' dK and dV once both are past their last GEMM that reads them (K and the dS
+  // buffers stay untouched: the other warpgroup's last dQ GEMM may still read them).
+  {
+    asm volatile("bar.sync 1, 256;\n" ::: "memory");
+    constexpr int kDkRow = kDqk * 2, kDvRow = kDv * 2;  // bytes per staged row
+    static_assert(2 * 64 * (kDkRow + kDvRow) <= kSmemDS - kSmemQ, "dK / dV staging over the Q / dO stages");
+    const uint32_t sk = base + kSmemQ + wg * 64 * (kDkRow + kDvRow);
+    const uint32_t sv = sk + 64 * kDkRow;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = kr + 8 * r;
+#pragma unroll
+      for (int cc = 0; cc < kDqk / 8; ++cc)
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sk + row * kDkRow + ((cc ^ (row & 7)) << 4) + 4 * (lane % 4)),
+                     "r"(pack2<kHalf>(dk[4 * cc + 2 * r] * scale, dk[4 * cc + 2 * r + 1] * scale))
+                     : "memory");
+#pragma unroll
+      for (int cc = 0; cc < kDv / 8; ++cc)
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sv + row * kDvRow + ((cc ^ (row & 7)) << 4) + 4 * (lane % 4)),
+                     "r"(pack2<kHalf>(dv[4 * cc + 2 * r], dv[4 * cc + 2 * r + 1]))
+                     : "memory");
+    }
+    asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
+    uint8_t* dk_bytes = static_cast<uint8_t*>(p.dk);
+    uint8_t* dv_bytes = static_cast<uint8_t*>(p.dv);
+#pragma unroll
+    for (int i = 0; i < 64 * (kDqk / 8) / 128; ++i) {  // 12 chunks of dK per thread
+      const int id = i * 128 + t, row = id / (kDqk / 8), ch = id % (kDqk / 8);
+      uint4 v;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(sk + row * kDkRow + ((ch ^ (row & 7)) << 4))
+                   : "memory");
+      if (kw0 + row < lk)
+        *reinterpret_cast<uint4*>(dk_bytes + ((k_start + kw0 + row) * static_cast<int64_t>(p.hk) + kvh) * kDkRow +
+                                  ch * 16) = v;
+    }
+#pragma unroll
+    for (int i = 0; i < 64 * (kDv / 8) / 128; ++i) {  // 8 chunks of dV per thread
+      const int id = i * 128 + t, row = id / (kDv / 8), ch = id % (kDv / 8);
+      uint4 v;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(sv + row * kDvRow + ((ch ^ (row & 7)) << 4))
+                   : "memory");
+      if (kw0 + row < lk)
+        *reinterpret_cast<uint4*>(dv_bytes + ((k_start + kw0 + row) * static_cast<int64_t>(p.hk) + kvh) * kDvRow +
+                                  ch * 16) = v;
+    }
+  }
+#else
   using Elem = uint32_t;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
@@ -536,6 +591,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int cc = 0; cc < kDv / 8; ++cc) dvp[cc * 4] = pack2<kHalf>(dv[4 * cc + 2 * r], dv[4 * cc + 2 * r + 1]);
     }
   }
+#endif
 #endif
 }
 
