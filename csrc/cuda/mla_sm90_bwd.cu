@@ -37,6 +37,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace verl_ops {
 namespace cuda {
@@ -548,32 +549,25 @@ __global__ void __launch_bounds__(kThreads, 1)
                      : "memory");
     }
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
-    uint8_t* dk_bytes = static_cast<uint8_t*>(p.dk);
-    uint8_t* dv_bytes = static_cast<uint8_t*>(p.dv);
+    // The warpgroup's 64 staged rows of kChunks 16-byte chunks at stage, to the key rows of dst.
+    auto store_rows = [&](auto chunks, uint32_t stage, void* dst) {
+      constexpr int kChunks = decltype(chunks)::value, kRowBytes = kChunks * 16;
+      uint8_t* bytes = static_cast<uint8_t*>(dst);
 #pragma unroll
-    for (int i = 0; i < 64 * (kDqk / 8) / 128; ++i) {  // 12 chunks of dK per thread
-      const int id = i * 128 + t, row = id / (kDqk / 8), ch = id % (kDqk / 8);
-      uint4 v;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                   : "r"(sk + row * kDkRow + ((ch ^ (row & 7)) << 4))
-                   : "memory");
-      if (kw0 + row < lk)
-        *reinterpret_cast<uint4*>(dk_bytes + ((k_start + kw0 + row) * static_cast<int64_t>(p.hk) + kvh) * kDkRow +
-                                  ch * 16) = v;
-    }
-#pragma unroll
-    for (int i = 0; i < 64 * (kDv / 8) / 128; ++i) {  // 8 chunks of dV per thread
-      const int id = i * 128 + t, row = id / (kDv / 8), ch = id % (kDv / 8);
-      uint4 v;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                   : "r"(sv + row * kDvRow + ((ch ^ (row & 7)) << 4))
-                   : "memory");
-      if (kw0 + row < lk)
-        *reinterpret_cast<uint4*>(dv_bytes + ((k_start + kw0 + row) * static_cast<int64_t>(p.hk) + kvh) * kDvRow +
-                                  ch * 16) = v;
-    }
+      for (int i = 0; i < 64 * kChunks / 128; ++i) {
+        const int id = i * 128 + t, row = id / kChunks, ch = id % kChunks;
+        uint4 v;
+        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                     : "r"(stage + row * kRowBytes + ((ch ^ (row & 7)) << 4))
+                     : "memory");
+        if (kw0 + row < lk)
+          *reinterpret_cast<uint4*>(bytes + ((k_start + kw0 + row) * static_cast<int64_t>(p.hk) + kvh) * kRowBytes +
+                                    ch * 16) = v;
+      }
+    };
+    store_rows(std::integral_constant<int, kDkRow / 16>{}, sk, p.dk);  // 12 chunks of dK per thread
+    store_rows(std::integral_constant<int, kDvRow / 16>{}, sv, p.dv);  // 8 of dV
   }
 #else
   using Elem = uint32_t;
