@@ -376,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool odd = lane & 1;
       const int q4 = 2 * (lane % 4) - (odd ? 2 : 0);  // first column of the four, in the chunk
       // One chunk pair: c0 = 2 cp, c1 = c0 + 1 of the accumulator x (32 or 16 floats), added at
-      // column offset col of the row.
+      // dst + 16 cp (dst: this lane's first column of the row's chunk pairs).
       auto pair4 = [&](const float* x, int cp, int r, bool ok, float* dst) {
         const int c0 = 2 * cp, c1 = c0 + 1;
         const float sx = odd ? x[4 * c0 + 2 * r] : x[4 * c1 + 2 * r];
@@ -539,14 +539,12 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int row = kr + 8 * r;
 #pragma unroll
       for (int cc = 0; cc < kDqk / 8; ++cc)
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sk + row * kDkRow + ((cc ^ (row & 7)) << 4) + 4 * (lane % 4)),
-                     "r"(pack2<kHalf>(dk[4 * cc + 2 * r] * scale, dk[4 * cc + 2 * r + 1] * scale))
-                     : "memory");
+        sts_b32(sk + row * kDkRow + ((cc ^ (row & 7)) << 4) + 4 * (lane % 4),
+                pack2<kHalf>(dk[4 * cc + 2 * r] * scale, dk[4 * cc + 2 * r + 1] * scale));
 #pragma unroll
       for (int cc = 0; cc < kDv / 8; ++cc)
-        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sv + row * kDvRow + ((cc ^ (row & 7)) << 4) + 4 * (lane % 4)),
-                     "r"(pack2<kHalf>(dv[4 * cc + 2 * r], dv[4 * cc + 2 * r + 1]))
-                     : "memory");
+        sts_b32(sv + row * kDvRow + ((cc ^ (row & 7)) << 4) + 4 * (lane % 4),
+                pack2<kHalf>(dv[4 * cc + 2 * r], dv[4 * cc + 2 * r + 1]));
     }
     asm volatile("bar.sync %0, 128;\n" ::"r"(2 + wg) : "memory");
     // The warpgroup's 64 staged rows of kChunks 16-byte chunks at stage, to the key rows of dst.
@@ -556,11 +554,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int i = 0; i < 64 * kChunks / 128; ++i) {
         const int id = i * 128 + t, row = id / kChunks, ch = id % kChunks;
-        uint4 v;
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                     : "r"(stage + row * kRowBytes + ((ch ^ (row & 7)) << 4))
-                     : "memory");
+        const uint4 v = lds_v4(stage + row * kRowBytes + ((ch ^ (row & 7)) << 4));
         if (kw0 + row < lk)
           *reinterpret_cast<uint4*>(bytes + ((k_start + kw0 + row) * static_cast<int64_t>(p.hk) + kvh) * kRowBytes +
                                     ch * 16) = v;

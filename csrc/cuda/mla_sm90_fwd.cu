@@ -543,20 +543,14 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int c = 8 * half + cl;
           const uint32_t w0 = pack2<kHalf>(o[4 * c] * inv0, o[4 * c + 1] * inv0);
           const uint32_t w1 = pack2<kHalf>(o[4 * c + 2] * inv1, o[4 * c + 3] * inv1);
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ob + lr0 * 128 + ((cl ^ (lr0 & 7)) << 4) + 4 * (lane % 4)),
-                       "r"(w0) : "memory");
-          asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ob + lr1 * 128 + ((cl ^ (lr1 & 7)) << 4) + 4 * (lane % 4)),
-                       "r"(w1) : "memory");
+          sts_b32(ob + lr0 * 128 + ((cl ^ (lr0 & 7)) << 4) + 4 * (lane % 4), w0);
+          sts_b32(ob + lr1 * 128 + ((cl ^ (lr1 & 7)) << 4) + 4 * (lane % 4), w1);
         }
         wg_sync();
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int row = i * 16 + t / 8, cl = t % 8;
-          uint4 v;
-          asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                       : "r"(ob + row * 128 + ((cl ^ (row & 7)) << 4))
-                       : "memory");
+          const uint4 v = lds_v4(ob + row * 128 + ((cl ^ (row & 7)) << 4));
           if (first_row + row < lq) {
             uint8_t* dst = out_bytes + (q_start + first_row + row) * row_bytes +
                            static_cast<int64_t>(h) * kDv * 2 + half * 128 + cl * 16;
