@@ -522,9 +522,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   // dK * scale and dV of the keys inside the sequence.
   const float scale = p.scale;
-#if defined(VERL_OPS_BWD_SMEM_EPI)
-  // Experiment (compile-time, off; not measured yet): through shared memory, as the forward's
-  // epilogue, so that whole rows (384 bytes of dK, 256 of dV) are stored in 16-byte chunks instead
+  // Through shared memory, as the forward's epilogue (+0-6% on the backward, most on short
+  // sequences; RESULTS.md), so that whole rows (384 bytes of dK, 256 of dV) are stored in 16-byte chunks instead
   // of 4-byte words scattered over 8 rows per warp store. The Q / dO stages (80 KiB) hold both
   // warpgroups' dK and dV once both are past their last GEMM that reads them (K and the dS
   // buffers stay untouched: the other warpgroup's last dQ GEMM may still read them).
@@ -563,23 +562,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     store_rows(std::integral_constant<int, kDkRow / 16>{}, sk, p.dk);  // 12 chunks of dK per thread
     store_rows(std::integral_constant<int, kDvRow / 16>{}, sv, p.dv);  // 8 of dV
   }
-#else
-  using Elem = uint32_t;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = r ? key_b : key_a;
-    if (key < lk) {
-      const int64_t row = k_start + key;  // widened
-      Elem* dkp = static_cast<Elem*>(p.dk) + (row * p.hk + kvh) * (kDqk / 2) + (lane % 4);
-      Elem* dvp = static_cast<Elem*>(p.dv) + (row * p.hk + kvh) * (kDv / 2) + (lane % 4);
-#pragma unroll
-      for (int cc = 0; cc < kDqk / 8; ++cc)
-        dkp[cc * 4] = pack2<kHalf>(dk[4 * cc + 2 * r] * scale, dk[4 * cc + 2 * r + 1] * scale);
-#pragma unroll
-      for (int cc = 0; cc < kDv / 8; ++cc) dvp[cc * 4] = pack2<kHalf>(dv[4 * cc + 2 * r], dv[4 * cc + 2 * r + 1]);
-    }
-  }
-#endif
 #endif
 }
 

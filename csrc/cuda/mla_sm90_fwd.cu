@@ -446,17 +446,13 @@ __global__ void __launch_bounds__(kThreads, 1)
       {
         const int s = kv_it % kStages;
         mbar_wait(bar_full_k(s), (kv_it / kStages) & 1);
-#if defined(VERL_OPS_SM90_ORDER_FIRST_S)
-        // Experiment (compile-time, off; not measured yet): the first S GEMM of a tile in the
-        // turn-taking too, so warpgroup 0's runs first and its softmax overlaps warpgroup 1's
-        // GEMM instead of both softmaxes running while the tensor cores idle. The turns stay
-        // balanced: per tile each warpgroup syncs and arrives once more.
+        // The first S GEMM of a tile takes its turn too, so warpgroup 0's runs first and its
+        // softmax overlaps warpgroup 1's GEMM instead of both softmaxes running while the tensor
+        // cores idle (+0.7-2.4% on the forward, RESULTS.md). The turns stay balanced: per tile
+        // each warpgroup syncs and arrives once more.
         sched_sync();
         issue_s(s);
         sched_arrive();
-#else
-        issue_s(s);
-#endif
         wgmma_wait<0>();
         fence_regs(sacc);
         if (t == 0) SM90_TRACE(1 + wg, iter, 2, clock64());
