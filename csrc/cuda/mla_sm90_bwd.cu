@@ -65,6 +65,7 @@ constexpr int kSmemLD = kSmemDS + 2 * kDSBytes;          // lse2 / D: [stage][64
 constexpr int kSmemBar = kSmemLD + kStages * kBM * 8;
 constexpr int kNumBars = 1 + 2 * kStages + 4;            // K / V full, Q / dO / lse full and empty, dS full and empty
 constexpr int kSmemBytes = kSmemBar + kNumBars * 8 + 1024;
+static_assert(kSmemBytes <= 232448, "shared memory over the 227 KiB an SM90 CTA can opt in to");
 
 struct BwdParams {
   const int32_t* order;        // [batch]: sequences, longest first (by keys)
@@ -86,15 +87,10 @@ __device__ __forceinline__ void fence_acc(float (&d)[N]) {
 #pragma unroll
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
 }
-// Shared-memory float2 / float load and store by 32-bit shared address (a generic pointer would
-// compile to generic LD / ST).
+// Shared-memory float2 store by 32-bit shared address (a generic pointer would compile to a
+// generic ST).
 __device__ __forceinline__ void sts_f2(uint32_t addr, float2 v) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
-}
-__device__ __forceinline__ float lds_f(uint32_t addr) {
-  float v;
-  asm volatile("ld.shared.f32 %0, [%1];\n" : "=f"(v) : "r"(addr) : "memory");
-  return v;
 }
 
 template <bool kHalf>
@@ -347,6 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // the 32 columns 128 + 32 w ... of chunk 2 (K as B, MN-major).
     const uint64_t dk_b0 = smem_desc(base + kSmemK + wg * kBN * 128, 16, 1024);
     const uint64_t dk_b1 = smem_desc(base + kSmemK + 2 * kBN * 128 + wg * 64, 16, 1024);
+    const int col_a = wg * 64, col_b = 128 + wg * 32;  // first dQ column of qa, of qb
 
     // dQ (64 rows) += dS K for block j over the 128 keys, in this warpgroup's 96 columns: once
     // both warpgroups' dS^T of block j are in buffer j & 1 (it runs a block behind, so the two
@@ -391,9 +388,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const bool ok = q0 + kr + 8 * r < lq;
         float* dst = p.dq_accum + (static_cast<int64_t>(qrow + 8 * r) * p.hq + h) * kDqk + q4 + (odd ? 8 : 0);
 #pragma unroll
-        for (int cp = 0; cp < 4; ++cp) pair4(qa, cp, r, ok, dst + wg * 64);
+        for (int cp = 0; cp < 4; ++cp) pair4(qa, cp, r, ok, dst + col_a);
 #pragma unroll
-        for (int cp = 0; cp < 2; ++cp) pair4(qb, cp, r, ok, dst + 128 + wg * 32);
+        for (int cp = 0; cp < 2; ++cp) pair4(qb, cp, r, ok, dst + col_b);
       }
     };
 
@@ -433,10 +430,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
         for (int cc = 0; cc < 8; ++cc) {
           float pv[4];
+          // Both columns' lse2 (and D) in one 16-byte load (half the shared-memory loads of
+          // two 4-byte ones each: +2-5% on the backward, RESULTS.md).
+          const uint4 ldv = lds_v4(ld + (cc * 8 + 2 * (lane % 4)) * 8);
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int c = cc * 8 + 2 * (lane % 4) + e;
-            const float l2 = lds_f(ld + c * 8);
+            const float l2 = __uint_as_float(e ? ldv.z : ldv.x);
             float pa = ex2(fmaf(sacc[4 * cc + e], sl2, -l2));
             float pb = ex2(fmaf(sacc[4 * cc + 2 + e], sl2, -l2));
             if (!full) {
@@ -473,8 +473,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         // dS^T = P^T (dP^T - D), from the P^T fragments, straight into the A fragments of dK.
 #pragma unroll
         for (int cc = 0; cc < 8; ++cc) {
-          const float d0 = lds_f(ld + (cc * 8 + 2 * (lane % 4)) * 8 + 4);
-          const float d1 = lds_f(ld + (cc * 8 + 2 * (lane % 4) + 1) * 8 + 4);
+          const uint4 ldv = lds_v4(ld + (cc * 8 + 2 * (lane % 4)) * 8);
+          const float d0 = __uint_as_float(ldv.y), d1 = __uint_as_float(ldv.w);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
             const float2 pr = unpack2<kHalf>(pfrag[cc / 2][(cc % 2) * 2 + r]);
