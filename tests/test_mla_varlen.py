@@ -594,8 +594,9 @@ def test_cuda_bad_device_offsets_stay_in_bounds(backend, bad):
 @needs_varlen
 @pytest.mark.skipif(not HOPPER, reason="auto picks varlen on Hopper only")
 def test_cuda_auto_and_megatron_route_ragged_batches_to_varlen(monkeypatch):
-    """Without FlashAttention-4 (where it is installed auto prefers it for self-attention, checked
-    at the end) ragged batches run varlen, through auto and through the Megatron patch."""
+    """Ragged batches run varlen, through auto and through the Megatron patch (without
+    FlashAttention-4; where it is installed, auto leaves ragged batches on varlen when that runs the
+    own SM90 kernels, checked at the end)."""
     from types import SimpleNamespace
 
     from verl_ops import _mla
@@ -620,9 +621,12 @@ def test_cuda_auto_and_megatron_route_ragged_batches_to_varlen(monkeypatch):
     assert torch.equal(flat, out.reshape(out.shape[0], -1))
     assert not counted or mla_cache_info()["hits"] > after["hits"]
     if has_fa4:
+        # This batch is ragged: FlashAttention-4 only where varlen lacks the own SM90 kernels.
         monkeypatch.setattr(_mla, "_FA4_IMPORTABLE", True)
         flat = mla_thd_core_attention(c["q"], c["k"], c["v"], psp)
-        want = mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_q"], c["max_q"], c["max_q"], backend="fa4")
+        want = out
+        if not _mla._own_kernels_take_ragged():
+            want = mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_q"], c["max_q"], c["max_q"], backend="fa4")
         assert torch.equal(flat, want.reshape(want.shape[0], -1))
 
 
@@ -729,28 +733,74 @@ def test_cache_info_under_another_default_device():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_FA4, reason="needs flash-attn-4")
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_cuda_auto_takes_fa4_on_ragged_self_attention(monkeypatch, causal):
-    """auto runs FlashAttention-4 for bf16 192/128 self-attention (one offsets tensor) where it is
-    installed, on the edge-case lengths (0 and 1 included), and the result is the reference's; with
-    two offsets tensors (or VERL_OPS_AUTO_FA4=0) auto stays on the native backends."""
+def test_cuda_auto_takes_fa4_on_uniform_self_attention(monkeypatch, causal):
+    """Where flash-attn-4 is installed, auto runs it for bf16 192/128 self-attention (one offsets
+    tensor) on uniform batches, and the result is the reference's. Ragged batches (the edge-case
+    lengths, 0 and 1 included) stay on varlen where it runs the own SM90 kernels (they measured at
+    or ahead of FlashAttention-4 there), else they take FlashAttention-4 too. With two offsets
+    tensors auto never takes it."""
     from verl_ops import _mla
 
     calls = []
     real = _mla._fa4_forward
     monkeypatch.setattr(_mla, "_fa4_forward", lambda *a: calls.append(1) or real(*a))
-    c = make_case([3, 0, 1, 2, 127, 128, 129, 0, 1000], hq=8, hk=8, device="cuda", seed=21)
-    c["cu_kv"] = c["cu_q"]
-    out, (q, k, v) = run(c, causal=causal, backend="auto")
-    assert calls == [1]
-    g = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to(out.device, out.dtype)
-    want, _, want_grads = reference(c["q"], c["k"], c["v"], c["cu_q"].cpu(), c["cu_q"].cpu(), causal, None, g)
-    assert out.shape == want.shape and rel_err(out, want) < TOL[torch.bfloat16]
-    out.backward(g)
-    for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), want_grads):
-        assert torch.isfinite(got).all() and rel_err(got, exp) < 2 * TOL[torch.bfloat16], name
-    c["cu_kv"] = c["cu_q"].clone()
-    run(c, causal=causal, backend="auto")
-    assert calls == [1]
+    g_cpu = torch.Generator().manual_seed(3)
+    for lengths, uniform in (([256, 256, 256], True), ([3, 0, 1, 2, 127, 128, 129, 0, 1000], False)):
+        c = make_case(lengths, hq=8, hk=8, device="cuda", seed=21)
+        c["cu_kv"] = c["cu_q"]
+        before = len(calls)
+        out, (q, k, v) = run(c, causal=causal, backend="auto")
+        takes = uniform or not _mla._own_kernels_take_ragged()
+        assert len(calls) == before + int(takes), (lengths, calls)
+        if not takes:
+            want_varlen, _ = run(c, causal=causal, backend="varlen")
+            assert torch.equal(out, want_varlen)
+        g = torch.randn(out.shape, generator=g_cpu).to(out.device, out.dtype)
+        want, _, want_grads = reference(c["q"], c["k"], c["v"], c["cu_q"].cpu(), c["cu_q"].cpu(), causal, None, g)
+        assert out.shape == want.shape and rel_err(out, want) < TOL[torch.bfloat16]
+        out.backward(g)
+        for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), want_grads):
+            assert torch.isfinite(got).all() and rel_err(got, exp) < 2 * TOL[torch.bfloat16], name
+        n = len(calls)
+        c["cu_kv"] = c["cu_q"].clone()
+        run(c, causal=causal, backend="auto")
+        assert len(calls) == n
+
+
+@gpu
+@pytest.mark.gpu
+@needs_varlen
+@pytest.mark.skipif(not HOPPER, reason="auto's FlashAttention-4 rule is for Hopper")
+def test_cuda_auto_fa4_rule_uniform_vs_ragged(monkeypatch):
+    """auto's FlashAttention-4 rule without flash-attn-4 itself (its call replaced by a recorder):
+    uniform bf16 192/128 self-attention batches take it; ragged ones stay on varlen wherever varlen
+    runs the own SM90 kernels (the default build on Hopper), else they take it too."""
+    from verl_ops import _mla
+
+    calls = []
+
+    def fake_fa4(op, q, k, v, cu_q, cu_kv, max_q, max_kv, causal, scale):
+        calls.append(tuple(q.shape))
+        return mla_forward_padded(q, k, v, cu_q, cu_kv, max_q, max_kv, causal=causal, softmax_scale=scale,
+                                  backend="varlen")
+
+    monkeypatch.setattr(_mla, "_FA4_IMPORTABLE", True)
+    monkeypatch.setattr(_mla, "_fa4_forward", fake_fa4)
+    info = mla_cache_info()
+    own = info["hopper_forward"] and info["hopper_backward"] and info["cudnn_version"] >= 90700
+    assert _mla._own_kernels_take_ragged() == own
+    uni = make_case([256, 256, 256], hq=4, hk=4, device="cuda", seed=22)
+    run(uni, backend="auto")
+    assert calls == [(768, 4, 192)]
+    rag = make_case([3, 0, 1, 2, 127, 128, 129, 0, 1000], hq=4, hk=4, device="cuda", seed=23)
+    out, _ = run(rag, backend="auto")
+    assert len(calls) == (1 if own else 2)
+    want, _ = run(rag, backend="varlen")
+    assert torch.equal(out, want)
+    # max_seqlen above the longest length: not uniform either (B * max_seqlen > T).
+    uni["max_q"] = uni["max_kv"] = 300
+    run(uni, backend="auto")
+    assert len(calls) == (1 if own else 3)
 
 
 def test_auto_does_not_take_fa4_off_cuda(monkeypatch):
@@ -759,6 +809,6 @@ def test_auto_does_not_take_fa4_off_cuda(monkeypatch):
     monkeypatch.setattr(_mla, "_FA4_IMPORTABLE", True)
     c = make_case([3, 5], hq=2, hk=2, dtype=torch.bfloat16)
     c["cu_kv"] = c["cu_q"]
-    assert not _mla._auto_takes_fa4(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"])
+    assert not _mla._auto_takes_fa4(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], c["max_q"])
     out, _ = run(c, backend="auto")  # the CPU reference, not FlashAttention-4
     assert out.shape == (8, 2, 128)

@@ -119,7 +119,8 @@ def mla_forward_padded(
             (from GPU measurements, see the README: on Hopper, in builds with ``varlen``, batches
             that are not uniform run ``varlen``; uniform ones native where it measured faster;
             else padded; where flash-attn-4 is installed, eager bf16/fp16 self-attention with
-            head dims 192/128 on Hopper runs ``"fa4"``, which measured faster still). On the CPU every backend runs the same exact reference.
+            head dims 192/128 on Hopper runs ``"fa4"`` on uniform batches, where it measured faster
+            still, and on ragged ones too in builds without verl_ops' own SM90 kernels). On the CPU every backend runs the same exact reference.
         validate: check the offsets against the data on the host. Default: on when the offsets
             are CPU tensors; CUDA offsets are only checked with ``validate=True`` (a host sync),
             as in FlashAttention. Meta offsets (shape inference) are never read.
@@ -156,7 +157,7 @@ def mla_forward_padded(
         if q.dim() == 3 and k.dim() == 3:
             _validate_offsets(op, "cu_seqlens_q", cu_seqlens_q, q.shape[0], int(max_seqlen_q), "max_seqlen_q")
             _validate_offsets(op, "cu_seqlens_kv", cu_seqlens_kv, k.shape[0], int(max_seqlen_kv), "max_seqlen_kv")
-    if backend == "auto" and _auto_takes_fa4(q, k, v, cu_seqlens_q, cu_seqlens_kv):
+    if backend == "auto" and _auto_takes_fa4(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q):
         backend = "fa4"
     if backend == "fa4":
         return _fa4_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal,
@@ -236,11 +237,30 @@ def _fa4_importable() -> bool:
     return _FA4_IMPORTABLE
 
 
-def _auto_takes_fa4(q, k, v, cu_q, cu_kv) -> bool:
+def _own_kernels_take_ragged() -> bool:
+    """Whether the varlen backend runs verl_ops' own SM90 forward and backward here, where auto
+    sends ragged batches (the build has the backend, cuDNN >= 9.7.0 for auto's varlen rule, and
+    neither VERL_OPS_VARLEN_FORWARD nor VERL_OPS_VARLEN_BACKWARD switched a kernel off). Read once."""
+    global _OWN_RAGGED
+    if _OWN_RAGGED is None:
+        info = mla_cache_info()
+        _OWN_RAGGED = bool(
+            info["available"] and info["hopper_forward"] and info["hopper_backward"] and info["cudnn_version"] >= 90700
+        )
+    return _OWN_RAGGED
+
+
+_OWN_RAGGED = None
+
+
+def _auto_takes_fa4(q, k, v, cu_q, cu_kv, max_seqlen_q) -> bool:
     """backend="auto" runs FlashAttention-4 where it is installed and measured faster than every
     native backend (benchmarks/RESULTS.md, H200): eager bf16 / fp16 self-attention (one offsets
-    tensor for q and kv) with MLA's head dims 192 / 128 on Hopper. Not while tracing or capturing
-    (the op keeps the graph one node); VERL_OPS_AUTO_FA4=0 turns it off."""
+    tensor for q and kv) with MLA's head dims 192 / 128 on Hopper, on uniform batches (every
+    sequence ``max_seqlen_q`` long: ``B * max_seqlen_q == Tq``). Ragged batches stay on the varlen
+    backend where it runs the own SM90 kernels, which measured 1.00-1.06x FlashAttention-4's
+    forward+backward there (0.93-0.98x on the uniform ones). Not while tracing or capturing (the
+    op keeps the graph one node); VERL_OPS_AUTO_FA4=0 turns it off."""
     if not (q.is_cuda and cu_q is cu_kv and q.dim() == 3 and k.dim() == 3 and v.dim() == 3):
         return False
     if q.shape[-1] != 192 or v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
@@ -249,7 +269,10 @@ def _auto_takes_fa4(q, k, v, cu_q, cu_kv) -> bool:
         return False
     if torch.cuda.get_device_capability(q.device)[0] != 9:
         return False
-    return _fa4_importable()
+    if not _fa4_importable():
+        return False
+    uniform = (cu_q.shape[0] - 1) * int(max_seqlen_q) == q.shape[0]
+    return uniform or not _own_kernels_take_ragged()
 
 
 def _fa4_varlen_func(op: str):
