@@ -20,7 +20,8 @@
 //     64 w ... and 32 of the last 64, added to the fp32 accumulator with 16-byte vector
 //     reductions (the two lanes of a pair swap a column pair first, so each holds four
 //     consecutive columns: half the reductions of 8-byte ones, and 1.08-1.14x the backward)
-//   and write dK * scale and dV for the keys inside the sequence (zeros where no query sees them).
+//   and write dK * scale and dV for the keys inside the sequence (zeros where no query sees them),
+//   staged through the freed Q / dO stages so that whole rows are stored in 16-byte chunks.
 // - post: dQ = accumulator * scale, to the input dtype, for every row.
 // Sequences run longest first (the forward's schedule kernel over the key lengths), no host read.
 #include "mla_sm90_bwd.h"

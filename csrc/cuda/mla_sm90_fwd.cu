@@ -17,8 +17,8 @@
 //   memory), online softmax in registers (exp2, the running max moved only when it grows by
 //   more than 2^8, so O is rarely rescaled), O += P V (wgmma, P from registers). The S GEMM of
 //   key tile j + 1 and the PV GEMM of tile j are in flight while the softmax of tile j + 1 runs,
-//   and the two warpgroups take turns issuing GEMMs (named barriers), so one's softmax overlaps
-//   the other's GEMMs.
+//   and the two warpgroups take turns issuing GEMMs (named barriers; a tile's first S GEMM
+//   too), so one's softmax overlaps the other's GEMMs.
 // - Two details the SASS needs (checked with nvdisasm; benchmarks/prof_mla_sm90_ab.sh measures
 //   them): the descriptors derive from warp-uniform values (a shuffle from lane 0), so they live
 //   in uniform registers and the 20 wgmmas of a key tile issue back to back; and a store of the
