@@ -21,6 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench_mla  # noqa: E402
+from prof_thd_kernels import profile_calls  # noqa: E402
 
 
 def named_batches(seed):
@@ -35,14 +36,7 @@ def named_batches(seed):
 
 
 def kernel_table(fn, reps):
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
+    prof = profile_calls(fn, reps, warmup=1)
     rows = []
     for e in prof.key_averages():
         t = getattr(e, "device_time_total", None)

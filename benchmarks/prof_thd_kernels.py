@@ -33,14 +33,20 @@ CASES = [
 ]
 
 
-def kernel_us(fn, reps):
-    for _ in range(3):
+def profile_calls(fn, reps, warmup=3):
+    """torch.profiler (CUDA activity) over ``reps`` calls of fn, after ``warmup`` calls outside it."""
+    for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernel_us(fn, reps):
+    prof = profile_calls(fn, reps)
     ks = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA and "rows_kernel" in e.name]
     if not ks:
         raise RuntimeError("no rows_kernel in the profile")

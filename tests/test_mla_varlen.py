@@ -625,7 +625,7 @@ def test_cuda_auto_and_megatron_route_ragged_batches_to_varlen(monkeypatch):
         monkeypatch.setattr(_mla, "_FA4_IMPORTABLE", True)
         flat = mla_thd_core_attention(c["q"], c["k"], c["v"], psp)
         want = out
-        if not _mla._own_kernels_take_ragged():
+        if not _mla._own_kernels_take_ragged(c["q"].device):
             want = mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_q"], c["max_q"], c["max_q"], backend="fa4")
         assert torch.equal(flat, want.reshape(want.shape[0], -1))
 
@@ -750,7 +750,7 @@ def test_cuda_auto_takes_fa4_on_uniform_self_attention(monkeypatch, causal):
         c["cu_kv"] = c["cu_q"]
         before = len(calls)
         out, (q, k, v) = run(c, causal=causal, backend="auto")
-        takes = uniform or not _mla._own_kernels_take_ragged()
+        takes = uniform or not _mla._own_kernels_take_ragged(c["q"].device)
         assert len(calls) == before + int(takes), (lengths, calls)
         if not takes:
             want_varlen, _ = run(c, causal=causal, backend="varlen")
@@ -788,7 +788,7 @@ def test_cuda_auto_fa4_rule_uniform_vs_ragged(monkeypatch):
     monkeypatch.setattr(_mla, "_fa4_forward", fake_fa4)
     info = mla_cache_info()
     own = info["hopper_forward"] and info["hopper_backward"] and info["cudnn_version"] >= 90700
-    assert _mla._own_kernels_take_ragged() == own
+    assert _mla._own_kernels_take_ragged(torch.device("cuda")) == own
     uni = make_case([256, 256, 256], hq=4, hk=4, device="cuda", seed=22)
     run(uni, backend="auto")
     assert calls == [(768, 4, 192)]

@@ -8,6 +8,7 @@ import os
 
 import torch
 
+from . import _fake
 from ._validate import INT32_MAX, as_bool, as_int, check_plain, is_meta
 
 _ops = torch.ops.verl_ops
@@ -237,20 +238,20 @@ def _fa4_importable() -> bool:
     return _FA4_IMPORTABLE
 
 
-def _own_kernels_take_ragged() -> bool:
-    """Whether the varlen backend runs verl_ops' own SM90 forward and backward here, where auto
-    sends ragged batches (the build has the backend, cuDNN >= 9.7.0 for auto's varlen rule, and
-    neither VERL_OPS_VARLEN_FORWARD nor VERL_OPS_VARLEN_BACKWARD switched a kernel off). Read once."""
-    global _OWN_RAGGED
-    if _OWN_RAGGED is None:
+def _own_kernels_take_ragged(device: torch.device) -> bool:
+    """Whether auto sends ragged batches on `device` to the varlen backend (the same test as the
+    op's: _fake._varlen_auto) and that backend runs verl_ops' own SM90 forward and backward there
+    (neither VERL_OPS_VARLEN_FORWARD nor VERL_OPS_VARLEN_BACKWARD switched a kernel off; read once)."""
+    global _OWN_HOPPER
+    if not _fake._varlen_auto(device):
+        return False
+    if _OWN_HOPPER is None:
         info = mla_cache_info()
-        _OWN_RAGGED = bool(
-            info["available"] and info["hopper_forward"] and info["hopper_backward"] and info["cudnn_version"] >= 90700
-        )
-    return _OWN_RAGGED
+        _OWN_HOPPER = info["hopper_forward"] and info["hopper_backward"]
+    return _OWN_HOPPER
 
 
-_OWN_RAGGED = None
+_OWN_HOPPER = None
 
 
 def _auto_takes_fa4(q, k, v, cu_q, cu_kv, max_seqlen_q) -> bool:
@@ -272,7 +273,7 @@ def _auto_takes_fa4(q, k, v, cu_q, cu_kv, max_seqlen_q) -> bool:
     if not _fa4_importable():
         return False
     uniform = (cu_q.shape[0] - 1) * int(max_seqlen_q) == q.shape[0]
-    return uniform or not _own_kernels_take_ragged()
+    return uniform or not _own_kernels_take_ragged(q.device)
 
 
 def _fa4_varlen_func(op: str):
