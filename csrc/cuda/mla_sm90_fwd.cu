@@ -398,8 +398,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // The two consumer warpgroups take turns issuing their GEMMs (named barriers 1 and 2), so one
   // runs its softmax while the other's GEMMs hold the tensor cores.
+#if defined(VERL_OPS_SM90_NO_TURNS)
+  // Experiment (compile-time, off; not measured yet): no turns, both warpgroups issue their GEMMs
+  // as soon as their operands are in (FlashAttention-3 / -4 take turns only up to head dim 128;
+  // at 192 the S GEMM is 1.5x as deep as the softmax it would hide behind).
+  auto sched_sync = [&]() {};
+  auto sched_arrive = [&]() {};
+#else
   auto sched_sync = [&]() { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory"); };
   auto sched_arrive = [&]() { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory"); };
+#endif
 
   int kv_it = 0, q_it = 0;
   for (int iter = 0;; ++iter) {
