@@ -410,15 +410,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 #endif
 
   int kv_it = 0, q_it = 0;
-#if defined(VERL_OPS_SM90_EARLY_S)
-  // Experiment (compile-time, off; not measured yet): the next tile's first S GEMM is issued
-  // before this tile's epilogue, so the tensor cores work through the epilogue (~1.7k cycles per
-  // tile, ~9% of a tile of an RL batch's typical 6 key tiles) instead of idling. The epilogue
-  // touches neither sacc nor the next tile's Q / K, and each warpgroup's turns keep their order.
+  // The tile of iteration `it` from the producer's ring (slot it % 2), the slot handed back.
   auto read_slot = [&](int it, TileInfo& x) {
-    const int sl_i = it & 1;
-    mbar_wait(bar_tile_full(sl_i), (it >> 1) & 1);
-    volatile const int* sl = tile_slot + sl_i * kSlotInts;
+    const int slot = it & 1;
+    mbar_wait(bar_tile_full(slot), (it >> 1) & 1);
+    volatile const int* sl = tile_slot + slot * kSlotInts;
     const int tl = sl[0];
     x.q_start = sl[1];
     x.k_start = sl[2];
@@ -427,9 +423,14 @@ __global__ void __launch_bounds__(kThreads, 1)
     x.h = sl[5];
     x.m_block = sl[6];
     x.n_blocks = sl[7];
-    mbar_arrive(bar_tile_empty(sl_i));
+    mbar_arrive(bar_tile_empty(slot));
     return tl;
   };
+#if defined(VERL_OPS_SM90_EARLY_S)
+  // Experiment (compile-time, off; not measured yet): the next tile's first S GEMM is issued
+  // before this tile's epilogue, so the tensor cores work through the epilogue (~1.7k cycles per
+  // tile, ~9% of a tile of an RL batch's typical 6 key tiles) instead of idling. The epilogue
+  // touches neither sacc nor the next tile's Q / K, and each warpgroup's turns keep their order.
   // A tile's Q, its turn order, and its first S GEMM issued (not waited for).
   auto first_s = [&]() {
     mbar_wait(bar_q_full, q_it & 1);
@@ -450,22 +451,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     const TileInfo ti = next_ti;
     const int tile = next_tile;
 #else
-    const int slot = iter & 1;
-    mbar_wait(bar_tile_full(slot), (iter >> 1) & 1);
     TileInfo ti;
-    int tile;
-    {
-      volatile const int* sl = tile_slot + slot * kSlotInts;
-      tile = sl[0];
-      ti.q_start = sl[1];
-      ti.k_start = sl[2];
-      ti.lq = sl[3];
-      ti.lk = sl[4];
-      ti.h = sl[5];
-      ti.m_block = sl[6];
-      ti.n_blocks = sl[7];
-    }
-    mbar_arrive(bar_tile_empty(slot));
+    const int tile = read_slot(iter, ti);
 #endif
     if (tile < 0) break;
     if (t == 0) SM90_TRACE(1 + wg, iter, 0, clock64());
