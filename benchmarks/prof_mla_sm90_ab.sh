@@ -4,7 +4,8 @@
 # reference (edge lengths causal, non-causal with empty sequences, grouped heads on an RL-like
 # batch), then timed ROUNDS times (default 3) on each batch, the variants interleaved within a
 # round so that clock drift hits them alike. Prints each variant's median forward TFLOP/s per
-# batch. MEMCHECK=NAME also runs that variant's checks under compute-sanitizer memcheck.
+# batch. MEMCHECK=NAME also runs that variant's checks under compute-sanitizer memcheck. A variant
+# that fails a check (or crashes, or hangs past RUN_S) is reported and not timed.
 #
 #   bash benchmarks/prof_mla_sm90_ab.sh NAME=SOURCE[@NVCC_FLAGS] ...
 #   e.g. bash benchmarks/prof_mla_sm90_ab.sh base=/tmp/old_fwd.cu new=csrc/cuda/mla_sm90_fwd.cu \
@@ -31,11 +32,14 @@ for name in "${names[@]}"; do
   [ -x "$DIR/$name" ] || { echo "$name: build failed"; cat "$DIR/$name.build.log"; exit 1; }
 done
 checks=("2 1 1 0 1 2 127 128 129 300 1000" "3 0 1 0 0 5 300 0 77" "4 1 1 0 rl 7")
+failed=()
 for name in "${names[@]}"; do
   for c in "${checks[@]}"; do
     if [ "$c" = "4 1 1 0 rl 7" ]; then r=$(HKDIV=2 timeout "$RUN_S" "$DIR/$name" $c | grep CHECK); else r=$(timeout "$RUN_S" "$DIR/$name" $c | grep CHECK); fi
     [ -n "$r" ] || r="no CHECK line (crashed or timed out after ${RUN_S} s)"
     echo "$name check [$c]: $r"
+    # A variant that fails or hangs on a check is not timed (a hang would cost RUN_S per run).
+    if ! grep -q "^CHECK ok" <<< "$r" || grep -qE "^CHECK FAIL|^CUDA" <<< "$r"; then failed+=("$name"); fi
   done
   if [ "${MEMCHECK:-}" = "$name" ]; then
     for c in "${checks[@]:0:2}"; do
@@ -43,6 +47,12 @@ for name in "${names[@]}"; do
     done
   fi
 done
+timed=()
+for name in "${names[@]}"; do
+  if [[ " ${failed[*]} " == *" $name "* ]]; then echo "$name: a check failed, not timed"; else timed+=("$name"); fi
+done
+[ "${#timed[@]}" -gt 0 ] || exit 1
+names=("${timed[@]}")
 SHORT=$(python3 -c "import random; random.seed(1); print(' '.join(str(random.randint(64, 1024)) for _ in range(64)))")
 batches=("rl-H16|16 1 0 20 rl 7" "rl-H128|128 1 0 5 rl 7" "4x4096|16 1 0 20 4096 4096 4096 4096"
          "4x4096full|16 0 0 20 4096 4096 4096 4096"

@@ -4,6 +4,7 @@
 # log-sum-exp), checked against the naive fp32 reference (edge lengths causal, non-causal with
 # empty sequences, grouped heads on an RL-like batch), then timed ROUNDS times (default 3) per
 # batch, the variants interleaved within a round. Prints each variant's median backward TFLOP/s.
+# A variant that fails a check (or crashes, or hangs past RUN_S) is reported and not timed.
 #
 #   bash benchmarks/prof_mla_sm90_bwd_ab.sh NAME=SOURCE[@NVCC_FLAGS] ...
 #   e.g. bash benchmarks/prof_mla_sm90_bwd_ab.sh base=/tmp/old_bwd.cu new=csrc/cuda/mla_sm90_bwd.cu
@@ -28,13 +29,22 @@ for name in "${names[@]}"; do
   [ -x "$DIR/$name" ] || { echo "$name: build failed"; tail -20 "$DIR/$name.build.log"; exit 1; }
 done
 checks=("2 1 1 0 1 2 127 128 129 300 1000" "3 0 1 0 0 5 300 0 77" "4 1 1 0 rl 7")
+failed=()
 for name in "${names[@]}"; do
   for c in "${checks[@]}"; do
     if [ "$c" = "4 1 1 0 rl 7" ]; then r=$(HKDIV=2 timeout "$RUN_S" "$DIR/$name" $c | grep -E "CHECK|worst|CUDA"); else r=$(timeout "$RUN_S" "$DIR/$name" $c | grep -E "CHECK|worst|CUDA"); fi
     [ -n "$r" ] || r="no CHECK line (crashed or timed out after ${RUN_S} s)"
     echo "$name check [$c]: $r"
+    # A variant that fails or hangs on a check is not timed (a hang would cost RUN_S per run).
+    if ! grep -q "^CHECK ok" <<< "$r" || grep -qE "^CHECK FAIL|^CUDA" <<< "$r"; then failed+=("$name"); fi
   done
 done
+timed=()
+for name in "${names[@]}"; do
+  if [[ " ${failed[*]} " == *" $name "* ]]; then echo "$name: a check failed, not timed"; else timed+=("$name"); fi
+done
+[ "${#timed[@]}" -gt 0 ] || exit 1
+names=("${timed[@]}")
 SHORT=$(python3 -c "import random; random.seed(1); print(' '.join(str(random.randint(64, 1024)) for _ in range(64)))")
 batches=("rl-H16|16 1 0 10 rl 7" "rl-H128|128 1 0 3 rl 7" "4x4096|16 1 0 10 4096 4096 4096 4096"
          "1x16384|16 1 0 10 16384" "16x1024|16 1 0 10 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024"
