@@ -426,14 +426,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_arrive(bar_tile_empty(slot));
     return tl;
   };
-#if defined(VERL_OPS_SM90_EARLY_S)
-  // Experiment (compile-time, off; not measured yet): the next tile's first S GEMM is issued
-  // before this tile's epilogue, so the tensor cores work through the epilogue (~1.7k cycles per
-  // tile, ~9% of a tile of an RL batch's typical 6 key tiles) instead of idling. The epilogue
-  // touches neither sacc nor the next tile's Q / K, and each warpgroup's turns keep their order.
-  // A tile's Q, its turn order, and its first S GEMM issued (not waited for).
-  auto first_s = [&]() {
+  // Tile `it`'s Q, its turn order, and its first S GEMM issued (not waited for). That GEMM takes
+  // its turn too, so warpgroup 0's runs first and its softmax overlaps warpgroup 1's GEMM instead
+  // of both softmaxes running while the tensor cores idle (+0.7-2.4% on the forward,
+  // RESULTS.md). The turns stay balanced: per tile each warpgroup syncs and arrives once more.
+  auto first_s = [&](int it) {
     mbar_wait(bar_q_full, q_it & 1);
+    if (t == 0) SM90_TRACE(1 + wg, it, 1, clock64());
     ++q_it;
     if (wg == 1) sched_arrive();
     const int s = kv_it % kStages;
@@ -442,6 +441,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     issue_s(s);
     sched_arrive();
   };
+#if defined(VERL_OPS_SM90_EARLY_S)
+  // Experiment (compile-time, off; not measured yet): the next tile's first S GEMM is issued
+  // before this tile's epilogue, so the tensor cores work through the epilogue (~1.7k cycles per
+  // tile, ~9% of a tile of an RL batch's typical 6 key tiles) instead of idling. The epilogue
+  // touches neither sacc nor the next tile's Q / K, and each warpgroup's turns keep their order.
   TileInfo next_ti{};
   int next_tile = read_slot(0, next_ti);
   bool s_issued = false;
@@ -471,32 +475,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     l1 = 0.f;
 
     if (n_blocks > 0) {
-#if defined(VERL_OPS_SM90_EARLY_S)
-      if (!s_issued) {
-        first_s();
-        wgmma_wait<0>();
-      }
-      {
-        const int s = kv_it % kStages;
-#else
-      mbar_wait(bar_q_full, q_it & 1);
-      if (t == 0) SM90_TRACE(1 + wg, iter, 1, clock64());
-      ++q_it;
-      if (wg == 1) sched_arrive();
       // Key tile 0: S, softmax, P. Then for each next tile the S GEMM of tile it and the PV
       // GEMM of tile it - 1 run on the tensor cores while this warpgroup does the softmax of
       // tile it.
+#if defined(VERL_OPS_SM90_EARLY_S)
+      if (!s_issued) {
+        first_s(iter);
+        wgmma_wait<0>();
+      }
+#else
+      first_s(iter);
+#endif
       {
         const int s = kv_it % kStages;
-        mbar_wait(bar_full_k(s), (kv_it / kStages) & 1);
-        // The first S GEMM of a tile takes its turn too, so warpgroup 0's runs first and its
-        // softmax overlaps warpgroup 1's GEMM instead of both softmaxes running while the tensor
-        // cores idle (+0.7-2.4% on the forward, RESULTS.md). The turns stay balanced: per tile
-        // each warpgroup syncs and arrives once more.
-        sched_sync();
-        issue_s(s);
-        sched_arrive();
-#endif
         wgmma_wait<0>();
         fence_regs(sacc);
         if (t == 0) SM90_TRACE(1 + wg, iter, 2, clock64());
@@ -626,7 +617,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     next_tile = read_slot(iter + 1, next_ti);
     s_issued = __shfl_sync(0xffffffffu, next_tile >= 0 && next_ti.n_blocks > 0 ? 1 : 0, 0) != 0;
     if (s_issued) {
-      first_s();
+      first_s(iter + 1);
       epilogue();
       wgmma_wait<0>();
       fence_regs(sacc);
