@@ -13,6 +13,7 @@
 # (a SOURCE outside csrc/cuda finds mla_sm90_fwd.h through -I csrc/cuda).
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/ab_lib.sh
 ROUNDS="${ROUNDS:-3}"
 RUN_S="${RUN_S:-60}"  # a variant that hangs (a barrier protocol bug) is cut off, not the call
 DIR="${AB_DIR:-/tmp/prof_ab}"
@@ -38,8 +39,7 @@ for name in "${names[@]}"; do
     if [ "$c" = "4 1 1 0 rl 7" ]; then r=$(HKDIV=2 timeout "$RUN_S" "$DIR/$name" $c | grep CHECK); else r=$(timeout "$RUN_S" "$DIR/$name" $c | grep CHECK); fi
     [ -n "$r" ] || r="no CHECK line (crashed or timed out after ${RUN_S} s)"
     echo "$name check [$c]: $r"
-    # A variant that fails or hangs on a check is not timed (a hang would cost RUN_S per run).
-    if ! grep -q "^CHECK ok" <<< "$r" || grep -qE "^CHECK FAIL|^CUDA" <<< "$r"; then failed+=("$name"); fi
+    ab_note_check "$name" "$r"
   done
   if [ "${MEMCHECK:-}" = "$name" ]; then
     for c in "${checks[@]:0:2}"; do
@@ -47,12 +47,7 @@ for name in "${names[@]}"; do
     done
   fi
 done
-timed=()
-for name in "${names[@]}"; do
-  if [[ " ${failed[*]} " == *" $name "* ]]; then echo "$name: a check failed, not timed"; else timed+=("$name"); fi
-done
-[ "${#timed[@]}" -gt 0 ] || exit 1
-names=("${timed[@]}")
+ab_keep_checked
 SHORT=$(python3 -c "import random; random.seed(1); print(' '.join(str(random.randint(64, 1024)) for _ in range(64)))")
 batches=("rl-H16|16 1 0 20 rl 7" "rl-H128|128 1 0 5 rl 7" "4x4096|16 1 0 20 4096 4096 4096 4096"
          "4x4096full|16 0 0 20 4096 4096 4096 4096"

@@ -10,6 +10,7 @@
 #   e.g. bash benchmarks/prof_mla_sm90_bwd_ab.sh base=/tmp/old_bwd.cu new=csrc/cuda/mla_sm90_bwd.cu
 set -uo pipefail
 cd "$(dirname "$0")/.."
+source benchmarks/ab_lib.sh
 ROUNDS="${ROUNDS:-3}"
 RUN_S="${RUN_S:-20}"
 DIR="${AB_DIR:-/tmp/prof_bwd_ab}"
@@ -35,16 +36,10 @@ for name in "${names[@]}"; do
     if [ "$c" = "4 1 1 0 rl 7" ]; then r=$(HKDIV=2 timeout "$RUN_S" "$DIR/$name" $c | grep -E "CHECK|worst|CUDA"); else r=$(timeout "$RUN_S" "$DIR/$name" $c | grep -E "CHECK|worst|CUDA"); fi
     [ -n "$r" ] || r="no CHECK line (crashed or timed out after ${RUN_S} s)"
     echo "$name check [$c]: $r"
-    # A variant that fails or hangs on a check is not timed (a hang would cost RUN_S per run).
-    if ! grep -q "^CHECK ok" <<< "$r" || grep -qE "^CHECK FAIL|^CUDA" <<< "$r"; then failed+=("$name"); fi
+    ab_note_check "$name" "$r"
   done
 done
-timed=()
-for name in "${names[@]}"; do
-  if [[ " ${failed[*]} " == *" $name "* ]]; then echo "$name: a check failed, not timed"; else timed+=("$name"); fi
-done
-[ "${#timed[@]}" -gt 0 ] || exit 1
-names=("${timed[@]}")
+ab_keep_checked
 SHORT=$(python3 -c "import random; random.seed(1); print(' '.join(str(random.randint(64, 1024)) for _ in range(64)))")
 batches=("rl-H16|16 1 0 10 rl 7" "rl-H128|128 1 0 3 rl 7" "4x4096|16 1 0 10 4096 4096 4096 4096"
          "1x16384|16 1 0 10 16384" "16x1024|16 1 0 10 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024"
