@@ -398,16 +398,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   };
   // The two consumer warpgroups take turns issuing their GEMMs (named barriers 1 and 2), so one
   // runs its softmax while the other's GEMMs hold the tensor cores.
-#if defined(VERL_OPS_SM90_NO_TURNS)
-  // Experiment (compile-time, off; not measured yet): no turns, both warpgroups issue their GEMMs
-  // as soon as their operands are in (FlashAttention-3 / -4 take turns only up to head dim 128;
-  // at 192 the S GEMM is 1.5x as deep as the softmax it would hide behind).
-  auto sched_sync = [&]() {};
-  auto sched_arrive = [&]() {};
-#else
+  // (Without turns, as FlashAttention-3 / -4 run head dim 192, the forward measured 0.96-0.98x.)
   auto sched_sync = [&]() { asm volatile("bar.sync %0, 256;\n" ::"r"(1 + wg) : "memory"); };
   auto sched_arrive = [&]() { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory"); };
-#endif
 
   int kv_it = 0, q_it = 0;
   // The tile of iteration `it` from the producer's ring (slot it % 2), the slot handed back.
@@ -441,23 +434,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     issue_s(s);
     sched_arrive();
   };
-#if defined(VERL_OPS_SM90_EARLY_S)
-  // Experiment (compile-time, off; not measured yet): the next tile's first S GEMM is issued
-  // before this tile's epilogue, so the tensor cores work through the epilogue (~1.7k cycles per
-  // tile, ~9% of a tile of an RL batch's typical 6 key tiles) instead of idling. The epilogue
-  // touches neither sacc nor the next tile's Q / K, and each warpgroup's turns keep their order.
-  TileInfo next_ti{};
-  int next_tile = read_slot(0, next_ti);
-  bool s_issued = false;
-#endif
   for (int iter = 0;; ++iter) {
-#if defined(VERL_OPS_SM90_EARLY_S)
-    const TileInfo ti = next_ti;
-    const int tile = next_tile;
-#else
     TileInfo ti;
     const int tile = read_slot(iter, ti);
-#endif
     if (tile < 0) break;
     if (t == 0) SM90_TRACE(1 + wg, iter, 0, clock64());
     const int n_blocks = ti.n_blocks, lq = ti.lq, h = ti.h;
@@ -478,14 +457,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       // Key tile 0: S, softmax, P. Then for each next tile the S GEMM of tile it and the PV
       // GEMM of tile it - 1 run on the tensor cores while this warpgroup does the softmax of
       // tile it.
-#if defined(VERL_OPS_SM90_EARLY_S)
-      if (!s_issued) {
-        first_s(iter);
-        wgmma_wait<0>();
-      }
-#else
       first_s(iter);
-#endif
       {
         const int s = kv_it % kStages;
         wgmma_wait<0>();
@@ -505,20 +477,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int g = kv_it + it;
         const int s = g % kStages, sp = (g - 1) % kStages;
         mbar_wait(bar_full_k(s), (g / kStages) & 1);
-#if defined(VERL_OPS_SM90_WAIT_BEFORE_TURN)
-        // Experiment (compile-time, off; not measured yet): wait for the previous tile's V before
-        // taking the turn, so a late V holds up only this warpgroup, not the other one's GEMMs
-        // (ncu, 1 x 16384: 1.7% of the samples wait for V inside the turn).
-        mbar_wait(bar_full_v(sp), ((g - 1) / kStages) & 1);
-        sched_sync();
-        issue_s(s);
-        issue_pv(sp);
-#else
         sched_sync();
         issue_s(s);
         mbar_wait(bar_full_v(sp), ((g - 1) / kStages) & 1);
         issue_pv(sp);
-#endif
         sched_arrive();
         wgmma_wait<1>();
         fence_regs(sacc);
@@ -560,11 +522,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       kv_it += n_blocks;
     }
     // Epilogue: normalise, write O and the log-sum-exp of the rows inside the sequence.
-#if defined(VERL_OPS_SM90_EARLY_S)
-    auto epilogue = [&]() {
-#else
     {
-#endif
       l0 = quad_sum(l0);
       l1 = quad_sum(l1);
       const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
@@ -609,24 +567,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           if (row1 < lq) p.lse[(q_start + row1) * p.hq + h] = l1 > 0.f ? (m1 * sl2 + __log2f(l1)) * kLn2 : INFINITY;
         }
       }
-#if defined(VERL_OPS_SM90_EARLY_S)
-    };
-    // The next tile's first S GEMM in flight through this tile's epilogue; issued and waited for
-    // in one warp-uniform branch (ptxas serialises every wgmma of the kernel when a wgmma is in
-    // flight across a branch it cannot prove uniform: C7518).
-    next_tile = read_slot(iter + 1, next_ti);
-    s_issued = __shfl_sync(0xffffffffu, next_tile >= 0 && next_ti.n_blocks > 0 ? 1 : 0, 0) != 0;
-    if (s_issued) {
-      first_s(iter + 1);
-      epilogue();
-      wgmma_wait<0>();
-      fence_regs(sacc);
-    } else {
-      epilogue();
     }
-#else
-    }
-#endif
     if (t == 0) SM90_TRACE(1 + wg, iter, 6, clock64());
     if (t == 0) SM90_TRACE(1 + wg, iter, 7, n_blocks);
   }
