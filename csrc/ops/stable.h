@@ -26,6 +26,10 @@
 #include <string>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/sysinfo.h>
+#endif
+
 #ifdef VERL_OPS_WITH_CUDA
 #include <cuda_runtime_api.h>
 #endif
@@ -210,12 +214,56 @@ inline Tensor zeros(const Tensor& like, const std::vector<int64_t>& sizes, Scala
   return torch::stable::new_zeros(like, sizes, dtype);
 }
 
+// Bytes per element of the dtypes ops allocate (a lower bound of 1 for any other: only used to
+// refuse outputs larger than memory).
+inline int64_t dtype_bytes(ScalarType t) {
+  switch (t) {
+    case ScalarType::Short: case ScalarType::Half: case ScalarType::BFloat16: case ScalarType::UInt16:
+      return 2;
+    case ScalarType::Int: case ScalarType::Float: case ScalarType::UInt32: case ScalarType::ComplexHalf:
+      return 4;
+    case ScalarType::Long: case ScalarType::Double: case ScalarType::UInt64: case ScalarType::ComplexFloat:
+      return 8;
+    case ScalarType::ComplexDouble:
+      return 16;
+    default:
+      return 1;
+  }
+}
+
+// The host's memory, RAM and swap together (Linux; elsewhere no bound). A CPU output larger than
+// that cannot be filled: under memory overcommit (vm.overcommit_memory=1, common on GPU servers)
+// its allocation would still succeed, and the zero fill or the first writes would bring the OOM
+// killer onto the process instead of an error.
+inline int64_t host_memory_bytes() {
+#if defined(__linux__)
+  static const int64_t bytes = [] {
+    struct sysinfo si {};
+    if (sysinfo(&si) != 0) return std::numeric_limits<int64_t>::max();
+    const long double total = (static_cast<long double>(si.totalram) + static_cast<long double>(si.totalswap)) *
+                              static_cast<long double>(si.mem_unit);
+    return total >= static_cast<long double>(std::numeric_limits<int64_t>::max())
+               ? std::numeric_limits<int64_t>::max()
+               : static_cast<int64_t>(total);
+  }();
+  return bytes;
+#else
+  return std::numeric_limits<int64_t>::max();
+#endif
+}
+
 // An op's output, whose sizes come from the caller's arguments (`sized_by` names them): an
-// allocation the allocator refuses (too large, or out of memory) is an error that names the op, the
-// argument and the shape, not the shim's "API call failed" text.
+// allocation the allocator refuses (too large, or out of memory), or a CPU one larger than the
+// host's memory, is an error that names the op, the argument and the shape, not the shim's "API
+// call failed" text (nor the OOM killer).
 inline Tensor output(const char* op, const char* sized_by, const Tensor& like, const std::vector<int64_t>& sizes,
                      ScalarType dtype, bool zero = false) {
   try {
+    if (like.is_cpu()) {
+      long double bytes = static_cast<long double>(dtype_bytes(dtype));
+      for (int64_t n : sizes) bytes *= static_cast<long double>(n < 0 ? 0 : n);
+      if (bytes > static_cast<long double>(host_memory_bytes())) throw std::runtime_error("over the host's memory");
+    }
     return zero ? zeros(like, sizes, dtype) : empty(like, sizes, dtype);
   } catch (const std::exception&) {
     std::ostringstream shape;
@@ -224,7 +272,7 @@ inline Tensor output(const char* op, const char* sized_by, const Tensor& like, c
     shape << "]";
     fail(op, ": cannot allocate the output sized by ", sized_by, " (shape ", shape.str(), ", ", dtype_name(dtype),
          ") on ",
-         like.is_cpu() ? "the CPU" : "the GPU", ": out of memory, or larger than the allocator allows");
+         like.is_cpu() ? "the CPU" : "the GPU", ": out of memory, or larger than the allocator (on the CPU: the host's memory) allows");
   }
 }
 
