@@ -1,7 +1,12 @@
 #include "thd_kernels.h"
 
+#include <dlfcn.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <thread>
+#include <vector>
 
 namespace verl_ops {
 namespace cpu {
@@ -231,6 +236,66 @@ void jagged_scatter_rows(const core::JaggedGatherPlan& plan, const char* src, ch
     }
     r += run;
   }
+}
+
+namespace {
+// A positive integer from the environment (below 1024), else 0.
+int env_threads(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') return 0;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  return (*end == '\0' && x > 0 && x < 1024) ? static_cast<int>(x) : 0;
+}
+constexpr int64_t kMinBytesPerThread = int64_t{1} << 20;
+}  // namespace
+
+// torch's intra-op thread count (torch.get_num_threads(), which torch.set_num_threads and
+// OMP_NUM_THREADS set), through the stable C shim's torch_get_num_threads: it exists from torch
+// 2.10 on, and this module targets 2.9's stable ABI, so it is looked up in the loaded libtorch_cpu
+// at run time. 0 where it is not there.
+int torch_threads() {
+  using Fn = int32_t (*)(uint32_t*);
+  static const Fn fn = [] {
+    void* lib = dlopen("libtorch_cpu.so", RTLD_LAZY | RTLD_NOLOAD);
+    return lib != nullptr ? reinterpret_cast<Fn>(dlsym(lib, "torch_get_num_threads")) : nullptr;
+  }();
+  uint32_t n = 0;
+  return fn != nullptr && fn(&n) == 0 ? static_cast<int>(std::min<uint32_t>(n, 1023)) : 0;
+}
+
+int copy_threads(int64_t bytes) {
+  static const int forced = env_threads("VERL_OPS_CPU_THREADS");
+  static const int fallback = [] {
+    int n = static_cast<int>(std::thread::hardware_concurrency());
+    n = std::max(n, 1);
+    if (const int omp = env_threads("OMP_NUM_THREADS")) n = std::min(n, omp);
+    return n;
+  }();
+  int max_threads = forced;
+  if (max_threads == 0) {
+    const int t = torch_threads();
+    max_threads = std::min(t > 0 ? t : fallback, 8);
+  }
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(max_threads, bytes / kMinBytesPerThread)));
+}
+
+void for_row_ranges(int64_t rows, int64_t row_bytes, const std::function<void(int64_t, int64_t)>& f) {
+  const int64_t bytes = rows > 0 && row_bytes > 0 && rows <= INT64_MAX / row_bytes ? rows * row_bytes : 0;
+  const int threads = static_cast<int>(std::min<int64_t>(copy_threads(bytes), std::max<int64_t>(rows, 1)));
+  if (threads <= 1) {
+    f(0, rows);
+    return;
+  }
+  const int64_t per = (rows + threads - 1) / threads;
+  std::vector<std::thread> pool;
+  pool.reserve(static_cast<size_t>(threads - 1));
+  for (int i = 1; i < threads; ++i) {
+    const int64_t lo = i * per, hi = std::min(rows, lo + per);
+    if (lo < hi) pool.emplace_back(f, lo, hi);
+  }
+  f(0, std::min(rows, per));
+  for (std::thread& t : pool) t.join();
 }
 
 }  // namespace cpu

@@ -66,7 +66,9 @@ Tensor jagged_rows_cpu(const char* op, bool scatter, const Tensor& values, const
   if (scatter) {
     cpu::jagged_scatter_rows(c.plan, src, dst, c.row_bytes, 0, c.gathered_rows);
   } else {
-    cpu::jagged_gather_rows(c.plan, src, dst, c.row_bytes, 0, c.gathered_rows);
+    cpu::for_row_ranges(c.gathered_rows, c.row_bytes, [&](int64_t lo, int64_t hi) {
+      cpu::jagged_gather_rows(c.plan, src, dst, c.row_bytes, lo, hi);
+    });
   }
   return c.out;
 }

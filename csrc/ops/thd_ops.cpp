@@ -354,9 +354,12 @@ std::tuple<Tensor, Tensor> preprocess_thd_cpu(const Tensor& values, const Tensor
                                               bool roll, const std::optional<Tensor>& attention_mask) {
   PackCall call = prepare_pack(values, cu_seqlens, cu_seqlens_padded, local_rows, cp_size, cp_rank,
                                cp_layout, roll, attention_mask);
-  cpu::pack_rows(call.plan, static_cast<const char*>(call.values.data_ptr()),
-                 static_cast<char*>(call.packed.data_ptr()), st::ptr<int64_t>(call.positions),
-                 call.row_bytes, 0, call.out_rows);
+  const char* src = static_cast<const char*>(call.values.data_ptr());
+  char* dst = static_cast<char*>(call.packed.data_ptr());
+  int64_t* positions = st::ptr<int64_t>(call.positions);
+  cpu::for_row_ranges(call.out_rows, call.row_bytes, [&](int64_t lo, int64_t hi) {
+    cpu::pack_rows(call.plan, src, dst, positions, call.row_bytes, lo, hi);
+  });
   return {call.packed, call.positions};
 }
 
@@ -366,8 +369,11 @@ Tensor postprocess_thd_cpu(const Tensor& packed, const Tensor& cu_seqlens,
                            const std::optional<Tensor>& attention_mask) {
   UnpackCall call = prepare_unpack(packed, cu_seqlens, cu_seqlens_padded, total_tokens, cp_size,
                                    cp_rank, cp_layout, roll, attention_mask);
-  cpu::unpack_rows(call.plan, static_cast<const char*>(call.packed.data_ptr()),
-                   static_cast<char*>(call.out.data_ptr()), call.row_bytes, 0, call.out_rows);
+  const char* src = static_cast<const char*>(call.packed.data_ptr());
+  char* dst = static_cast<char*>(call.out.data_ptr());
+  cpu::for_row_ranges(call.out_rows, call.row_bytes, [&](int64_t lo, int64_t hi) {
+    cpu::unpack_rows(call.plan, src, dst, call.row_bytes, lo, hi);
+  });
   return call.out;
 }
 
