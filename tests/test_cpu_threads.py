@@ -2,7 +2,9 @@
 at least 1 MiB per thread; VERL_OPS_CPU_THREADS=N sets the count, read once per process). The
 ranges cut through sequences and zigzag chunks, so every op that splits (pack, unpack, jagged
 gather) is checked here against tests/reference.py in child processes with 1 and 3 threads, on
-batches of several MiB with ragged lengths."""
+batches of several MiB with ragged lengths (plain, rolled and attention-mask paths). Whether a
+split happens is not visible from Python; a planted off-by-one in the ranges failed the 3-thread
+case and passed the 1-thread one when this was written."""
 
 from __future__ import annotations
 
@@ -45,6 +47,27 @@ for cp, lay in [(1, "zigzag"), (2, "zigzag"), (4, "zigzag"), (2, "contiguous"), 
             out = verl_ops.postprocess_thd(both, layout, as_nested=False)
             if not torch.equal(out, values):
                 failures.append(f"unpack cp={cp} {lay}")
+# attention mask (padded [B, S, F] input, valid tokens scattered in each row): the per-row path
+lengths = [int(rng.lognormvariate(5.0, 0.8)) + 1 for _ in range(16)]
+cap = max(lengths) + 37
+hidden = -(-(3_600_000 * 2 // 4) // sum(lengths))
+mask = torch.zeros(len(lengths), cap, dtype=torch.bool)
+for i, n in enumerate(lengths):
+    mask[i, sorted(rng.sample(range(cap), n))] = True
+padded = torch.randn(len(lengths), cap, hidden)
+seqs = [padded[i][mask[i]] for i in range(len(lengths))]
+layout = verl_ops.ThdLayout.from_lengths(lengths, cp_size=2, cp_layout="zigzag")
+cu_padded = layout.cu_seqlens_padded_cpu.tolist()
+shards = []
+for r in range(2):
+    packed, pos = verl_ops.preprocess_thd(padded, layout, r, attention_mask=mask)
+    want, want_pos = ref_pack(seqs, cu_padded, 2, r, "zigzag", False)
+    if not torch.equal(packed, want) or not torch.equal(pos, want_pos):
+        failures.append(f"masked pack rank {r}")
+    shards.append(packed)
+out = verl_ops.postprocess_thd(torch.stack(shards), layout, attention_mask=mask)
+if not torch.equal(out, torch.where(mask[..., None], padded, torch.zeros(()))):
+    failures.append("masked unpack")
 # jagged gather: sequences picked in a shuffled order, some twice
 lengths = [int(rng.lognormvariate(5.5, 0.9)) + 1 for _ in range(40)]
 values = torch.randn(sum(lengths), 300)

@@ -1,6 +1,7 @@
 #include "thd_kernels.h"
 
 #include <dlfcn.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <cstdlib>
@@ -267,7 +268,11 @@ int torch_threads() {
 int copy_threads(int64_t bytes) {
   static const int forced = env_threads("VERL_OPS_CPU_THREADS");
   static const int fallback = [] {
-    int n = static_cast<int>(std::thread::hardware_concurrency());
+    // The CPUs this process may run on (its affinity mask: cpusets, taskset), not all of the host's.
+    cpu_set_t set;
+    CPU_ZERO(&set);
+    int n = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set)
+                                                         : static_cast<int>(std::thread::hardware_concurrency());
     n = std::max(n, 1);
     if (const int omp = env_threads("OMP_NUM_THREADS")) n = std::min(n, omp);
     return n;
@@ -290,11 +295,20 @@ void for_row_ranges(int64_t rows, int64_t row_bytes, const std::function<void(in
   const int64_t per = (rows + threads - 1) / threads;
   std::vector<std::thread> pool;
   pool.reserve(static_cast<size_t>(threads - 1));
-  for (int i = 1; i < threads; ++i) {
-    const int64_t lo = i * per, hi = std::min(rows, lo + per);
-    if (lo < hi) pool.emplace_back(f, lo, hi);
+  // Ranges 1 .. started - 1 go to new threads; when a thread cannot be started (a pids limit,
+  // RLIMIT_NPROC, no memory for its stack) this thread does the rest of the ranges itself.
+  int started = 1;
+  for (; started < threads; ++started) {
+    const int64_t lo = started * per, hi = std::min(rows, lo + per);
+    if (lo >= hi) break;
+    try {
+      pool.emplace_back(f, lo, hi);
+    } catch (...) {
+      break;
+    }
   }
   f(0, std::min(rows, per));
+  if (started * per < rows) f(started * per, rows);
   for (std::thread& t : pool) t.join();
 }
 

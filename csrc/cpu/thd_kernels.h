@@ -28,8 +28,8 @@ void jagged_scatter_rows(const core::JaggedGatherPlan& plan, const char* src, ch
 
 // Runs f(row_begin, row_end) over [0, rows) split into consecutive ranges, one per thread, where
 // the output (rows * row_bytes) is large enough: at least 1 MiB per thread, on up to
-// min(torch.get_num_threads(), 8) threads (on torch 2.9, whose stable ABI cannot ask:
-// min(hardware threads, OMP_NUM_THREADS if set, 8)); VERL_OPS_CPU_THREADS=N sets that count
+// min(torch.get_num_threads(), 8) threads (on torch 2.9, whose stable ABI cannot ask: min(the
+// CPUs of the process's affinity mask, OMP_NUM_THREADS if set, 8)); VERL_OPS_CPU_THREADS=N sets that count
 // instead (read once). The row copies are memory-bound, and one thread reaches about half of
 // what two do (torch's own copies run on its intra-op threads). For the kernels above whose
 // output rows are written by one range only (pack, unpack, gather; not the scatter).
