@@ -403,40 +403,23 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto sched_arrive = [&]() { asm volatile("bar.arrive %0, 256;\n" ::"r"(2 - wg) : "memory"); };
 
   int kv_it = 0, q_it = 0;
-  // The tile of iteration `it` from the producer's ring (slot it % 2), the slot handed back.
-  auto read_slot = [&](int it, TileInfo& x) {
-    const int slot = it & 1;
-    mbar_wait(bar_tile_full(slot), (it >> 1) & 1);
-    volatile const int* sl = tile_slot + slot * kSlotInts;
-    const int tl = sl[0];
-    x.q_start = sl[1];
-    x.k_start = sl[2];
-    x.lq = sl[3];
-    x.lk = sl[4];
-    x.h = sl[5];
-    x.m_block = sl[6];
-    x.n_blocks = sl[7];
-    mbar_arrive(bar_tile_empty(slot));
-    return tl;
-  };
-  // Tile `it`'s Q, its turn order, and its first S GEMM issued (not waited for). That GEMM takes
-  // its turn too, so warpgroup 0's runs first and its softmax overlaps warpgroup 1's GEMM instead
-  // of both softmaxes running while the tensor cores idle (+0.7-2.4% on the forward,
-  // RESULTS.md). The turns stay balanced: per tile each warpgroup syncs and arrives once more.
-  auto first_s = [&](int it) {
-    mbar_wait(bar_q_full, q_it & 1);
-    if (t == 0) SM90_TRACE(1 + wg, it, 1, clock64());
-    ++q_it;
-    if (wg == 1) sched_arrive();
-    const int s = kv_it % kStages;
-    mbar_wait(bar_full_k(s), (kv_it / kStages) & 1);
-    sched_sync();
-    issue_s(s);
-    sched_arrive();
-  };
   for (int iter = 0;; ++iter) {
+    const int slot = iter & 1;
+    mbar_wait(bar_tile_full(slot), (iter >> 1) & 1);
     TileInfo ti;
-    const int tile = read_slot(iter, ti);
+    int tile;
+    {
+      volatile const int* sl = tile_slot + slot * kSlotInts;
+      tile = sl[0];
+      ti.q_start = sl[1];
+      ti.k_start = sl[2];
+      ti.lq = sl[3];
+      ti.lk = sl[4];
+      ti.h = sl[5];
+      ti.m_block = sl[6];
+      ti.n_blocks = sl[7];
+    }
+    mbar_arrive(bar_tile_empty(slot));
     if (tile < 0) break;
     if (t == 0) SM90_TRACE(1 + wg, iter, 0, clock64());
     const int n_blocks = ti.n_blocks, lq = ti.lq, h = ti.h;
@@ -454,12 +437,23 @@ __global__ void __launch_bounds__(kThreads, 1)
     l1 = 0.f;
 
     if (n_blocks > 0) {
+      mbar_wait(bar_q_full, q_it & 1);
+      if (t == 0) SM90_TRACE(1 + wg, iter, 1, clock64());
+      ++q_it;
+      if (wg == 1) sched_arrive();
       // Key tile 0: S, softmax, P. Then for each next tile the S GEMM of tile it and the PV
       // GEMM of tile it - 1 run on the tensor cores while this warpgroup does the softmax of
       // tile it.
-      first_s(iter);
       {
         const int s = kv_it % kStages;
+        mbar_wait(bar_full_k(s), (kv_it / kStages) & 1);
+        // The first S GEMM of a tile takes its turn too, so warpgroup 0's runs first and its
+        // softmax overlaps warpgroup 1's GEMM instead of both softmaxes running while the tensor
+        // cores idle (+0.7-2.4% on the forward, RESULTS.md). The turns stay balanced: per tile
+        // each warpgroup syncs and arrives once more.
+        sched_sync();
+        issue_s(s);
+        sched_arrive();
         wgmma_wait<0>();
         fence_regs(sacc);
         if (t == 0) SM90_TRACE(1 + wg, iter, 2, clock64());
@@ -521,51 +515,50 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (t == 0) SM90_TRACE(1 + wg, iter, 5, clock64());
       kv_it += n_blocks;
     }
+
     // Epilogue: normalise, write O and the log-sum-exp of the rows inside the sequence.
+    l0 = quad_sum(l0);
+    l1 = quad_sum(l1);
+    const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
+    constexpr float kLn2 = 0.6931471805599453f;
+    // O through shared memory, half of its columns at a time: each thread writes its fragments
+    // (4-byte words, the 16-byte chunks swizzled by the row: no bank conflicts), then the
+    // warpgroup reads back 16-byte chunks and stores whole 128-byte row segments (a warp covers
+    // four rows) instead of scattered 4-byte words.
     {
-      l0 = quad_sum(l0);
-      l1 = quad_sum(l1);
-      const float inv0 = l0 > 0.f ? 1.f / l0 : 0.f, inv1 = l1 > 0.f ? 1.f / l1 : 0.f;
-      constexpr float kLn2 = 0.6931471805599453f;
-      // O through shared memory, half of its columns at a time: each thread writes its fragments
-      // (4-byte words, the 16-byte chunks swizzled by the row: no bank conflicts), then the
-      // warpgroup reads back 16-byte chunks and stores whole 128-byte row segments (a warp covers
-      // four rows) instead of scattered 4-byte words.
-      {
-        const uint32_t ob = base + kSmemO + wg * kOStageBytes;
-        const int lr0 = warp * 16 + lane / 4, lr1 = lr0 + 8;  // rows of the warpgroup's 64
-        const int first_row = m_block * kBM + wg * 64;        // in the sequence
-        uint8_t* out_bytes = static_cast<uint8_t*>(p.out);
-        const int64_t row_bytes = static_cast<int64_t>(p.hq) * kDv * 2;
-        auto wg_sync = [&]() { asm volatile("bar.sync %0, 128;\n" ::"r"(3 + wg) : "memory"); };
+      const uint32_t ob = base + kSmemO + wg * kOStageBytes;
+      const int lr0 = warp * 16 + lane / 4, lr1 = lr0 + 8;  // rows of the warpgroup's 64
+      const int first_row = m_block * kBM + wg * 64;        // in the sequence
+      uint8_t* out_bytes = static_cast<uint8_t*>(p.out);
+      const int64_t row_bytes = static_cast<int64_t>(p.hq) * kDv * 2;
+      auto wg_sync = [&]() { asm volatile("bar.sync %0, 128;\n" ::"r"(3 + wg) : "memory"); };
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          if (half > 0) wg_sync();  // the first half's chunks are read
+      for (int half = 0; half < 2; ++half) {
+        if (half > 0) wg_sync();  // the first half's chunks are read
 #pragma unroll
-          for (int cl = 0; cl < 8; ++cl) {
-            const int c = 8 * half + cl;
-            const uint32_t w0 = pack2<kHalf>(o[4 * c] * inv0, o[4 * c + 1] * inv0);
-            const uint32_t w1 = pack2<kHalf>(o[4 * c + 2] * inv1, o[4 * c + 3] * inv1);
-            sts_b32(ob + lr0 * 128 + ((cl ^ (lr0 & 7)) << 4) + 4 * (lane % 4), w0);
-            sts_b32(ob + lr1 * 128 + ((cl ^ (lr1 & 7)) << 4) + 4 * (lane % 4), w1);
-          }
-          wg_sync();
+        for (int cl = 0; cl < 8; ++cl) {
+          const int c = 8 * half + cl;
+          const uint32_t w0 = pack2<kHalf>(o[4 * c] * inv0, o[4 * c + 1] * inv0);
+          const uint32_t w1 = pack2<kHalf>(o[4 * c + 2] * inv1, o[4 * c + 3] * inv1);
+          sts_b32(ob + lr0 * 128 + ((cl ^ (lr0 & 7)) << 4) + 4 * (lane % 4), w0);
+          sts_b32(ob + lr1 * 128 + ((cl ^ (lr1 & 7)) << 4) + 4 * (lane % 4), w1);
+        }
+        wg_sync();
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int row = i * 16 + t / 8, cl = t % 8;
-            const uint4 v = lds_v4(ob + row * 128 + ((cl ^ (row & 7)) << 4));
-            if (first_row + row < lq) {
-              uint8_t* dst = out_bytes + (q_start + first_row + row) * row_bytes +
-                             static_cast<int64_t>(h) * kDv * 2 + half * 128 + cl * 16;
-              *reinterpret_cast<uint4*>(dst) = v;
-            }
+        for (int i = 0; i < 4; ++i) {
+          const int row = i * 16 + t / 8, cl = t % 8;
+          const uint4 v = lds_v4(ob + row * 128 + ((cl ^ (row & 7)) << 4));
+          if (first_row + row < lq) {
+            uint8_t* dst = out_bytes + (q_start + first_row + row) * row_bytes +
+                           static_cast<int64_t>(h) * kDv * 2 + half * 128 + cl * 16;
+            *reinterpret_cast<uint4*>(dst) = v;
           }
         }
-        wg_sync();  // every chunk read before the next tile's epilogue writes again
-        if (lane % 4 == 0) {
-          if (row0 < lq) p.lse[(q_start + row0) * p.hq + h] = l0 > 0.f ? (m0 * sl2 + __log2f(l0)) * kLn2 : INFINITY;
-          if (row1 < lq) p.lse[(q_start + row1) * p.hq + h] = l1 > 0.f ? (m1 * sl2 + __log2f(l1)) * kLn2 : INFINITY;
-        }
+      }
+      wg_sync();  // every chunk read before the next tile's epilogue writes again
+      if (lane % 4 == 0) {
+        if (row0 < lq) p.lse[(q_start + row0) * p.hq + h] = l0 > 0.f ? (m0 * sl2 + __log2f(l0)) * kLn2 : INFINITY;
+        if (row1 < lq) p.lse[(q_start + row1) * p.hq + h] = l1 > 0.f ? (m1 * sl2 + __log2f(l1)) * kLn2 : INFINITY;
       }
     }
     if (t == 0) SM90_TRACE(1 + wg, iter, 6, clock64());
