@@ -20,7 +20,8 @@ CHILD = r"""
 import random, sys
 import torch
 sys.path.insert(0, HERE)
-from reference import ref_layout, ref_pack
+from conftest import scattered_mask
+from reference import ref_pack
 import verl_ops
 
 rng = random.Random(7)
@@ -51,9 +52,7 @@ for cp, lay in [(1, "zigzag"), (2, "zigzag"), (4, "zigzag"), (2, "contiguous"), 
 lengths = [int(rng.lognormvariate(5.0, 0.8)) + 1 for _ in range(16)]
 cap = max(lengths) + 37
 hidden = -(-(3_600_000 * 2 // 4) // sum(lengths))
-mask = torch.zeros(len(lengths), cap, dtype=torch.bool)
-for i, n in enumerate(lengths):
-    mask[i, sorted(rng.sample(range(cap), n))] = True
+mask = scattered_mask(rng, lengths, cap)
 padded = torch.randn(len(lengths), cap, hidden)
 seqs = [padded[i][mask[i]] for i in range(len(lengths))]
 layout = verl_ops.ThdLayout.from_lengths(lengths, cp_size=2, cp_layout="zigzag")
