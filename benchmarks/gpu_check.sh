@@ -2,6 +2,7 @@
 # On a GPU machine: build, run the test suite (GPU cases included), compute-sanitizer memcheck on
 # the CUDA tests of each suite, then the benchmarks named in BENCH (default: none; e.g.
 # BENCH="thd mla router"). Logs and results go to ${OUT:-./gpu_out}.
+# FILES_PARALLEL=N runs the test files as N parallel pytest processes instead of one (see below).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
@@ -31,7 +32,23 @@ echo "build: $(( $(date +%s) - t0 )) s"
 (cd "$RUN_DIR" && python3 -c "import verl_ops; assert verl_ops.cuda_available(); print('cuda kernels ok', verl_ops.__file__, verl_ops._library.HAS_LAYERS)") || exit 1
 
 status=0
-if [ "${TESTS:-1}" = 1 ]; then
+if [ -n "${FILES_PARALLEL:-}" ]; then
+  # Each test file (tests/test_*.py, minus test_wheel and the stems in SKIP_FILES) as its own pytest process,
+  # FILES_PARALLEL at a time, each under FILE_TIMEOUT seconds: a whole-suite run that fits one
+  # call, and a per-file account of time and failures (files/<stem>.log).
+  t0=$(date +%s); mkdir -p "$OUT/files"
+  for f in "$REPO"/tests/test_*.py; do
+    stem=$(basename "$f" .py); stem=${stem#test_}
+    case " wheel ${SKIP_FILES:-} " in *" $stem "*) continue ;; esac
+    echo "$stem"
+  done | xargs -P "$FILES_PARALLEL" -I{} bash -c 'cd "$1" && s=$(date +%s); timeout "$2" python3 -m pytest "$3/tests/test_{}.py" -q -rfE \
+      -k "not wheel" -p no:cacheprovider ${4:-} > "$5/files/{}.log" 2>&1; rc=$?; \
+      echo "{}: rc=$rc $(tail -1 "$5/files/{}.log") [$(( $(date +%s) - s )) s]"' _ "$RUN_DIR" "${FILE_TIMEOUT:-400}" "$REPO" "${PYTEST_ARGS:-}" "$OUT" \
+    | sort | tee "$OUT/files.txt"
+  grep -hE "^(FAILED|ERROR)" "$OUT"/files/*.log | head -30
+  grep -qv ": rc=0 " "$OUT/files.txt" && status=1
+  echo "test files: $(( $(date +%s) - t0 )) s"
+elif [ "${TESTS:-1}" = 1 ]; then
   t0=$(date +%s)
   (cd "$RUN_DIR" && timeout "${TEST_TIMEOUT:-400}" python3 -m pytest "$REPO/tests" -q -k "not wheel" -p no:cacheprovider \
     ${PYTEST_ARGS:-}) > "$OUT/tests.log" 2>&1 || status=1

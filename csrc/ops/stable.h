@@ -13,6 +13,7 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <algorithm>
 #include <array>
 #include <cstddef>
 #include <cstdint>
@@ -27,7 +28,11 @@
 #include <vector>
 
 #if defined(__linux__)
+#include <sys/stat.h>
 #include <sys/sysinfo.h>
+
+#include <cstdlib>
+#include <fstream>
 #endif
 
 #ifdef VERL_OPS_WITH_CUDA
@@ -231,20 +236,115 @@ inline int64_t dtype_bytes(ScalarType t) {
   }
 }
 
-// The host's memory, RAM and swap together (Linux; elsewhere no bound). A CPU output larger than
-// that cannot be filled: under memory overcommit (vm.overcommit_memory=1, common on GPU servers)
-// its allocation would still succeed, and the zero fill or the first writes would bring the OOM
-// killer onto the process instead of an error.
+#if defined(__linux__)
+// ---- the memory this process may use: the host's, or its memory cgroup's limit -------------
+// A container (docker, kubernetes, slurm) runs in a memory cgroup whose limit is often far below
+// the host's RAM; past it the kernel's OOM killer ends the process just as under overcommit. So
+// the bound is min(RAM + swap, the cgroup's limit), the cgroup read from /proc/self/cgroup.
+//
+// Test hooks (read once, at the first CPU output): VERL_OPS_PROC_CGROUP replaces
+// /proc/self/cgroup and VERL_OPS_CGROUP_ROOT replaces the mount point /sys/fs/cgroup, so a test
+// can point both at a fake tree; the bound is cached, so such a test sets them in a child process.
+
+inline std::string env_or(const char* name, const char* fallback) {
+  const char* v = std::getenv(name);
+  return v != nullptr && *v != '\0' ? std::string(v) : std::string(fallback);
+}
+
+// A cgroup limit file: its number of bytes, or nothing for "max", a missing or unreadable file, or
+// anything else that is not a plain decimal number. long double: no overflow on any digit count.
+inline std::optional<long double> cgroup_value(const std::string& file) {
+  std::ifstream in(file);
+  std::string s;
+  if (!(in >> s) || s.empty() || s.find_first_not_of("0123456789") != std::string::npos) return std::nullopt;
+  long double v = 0;
+  for (char c : s) v = v * 10 + static_cast<long double>(c - '0');
+  return v;
+}
+
+inline bool is_dir(const std::string& path) {
+  struct stat sb {};
+  return stat(path.c_str(), &sb) == 0 && S_ISDIR(sb.st_mode);
+}
+
+// The smallest value of `file` in the cgroup `path` (below the mount `mount`) and in each of its
+// ancestors up to the mount's root: a parent's limit bounds its children too. A path that is not
+// there is read from the mount's root alone: inside a container the mount is often the
+// container's own cgroup while /proc/self/cgroup names it by its path on the host.
+inline std::optional<long double> cgroup_min(const std::string& mount, std::string path, const char* file) {
+  while (!path.empty() && path.back() == '/') path.pop_back();
+  if (!is_dir(mount + path)) path.clear();
+  std::optional<long double> lowest;
+  for (;;) {
+    const std::optional<long double> v = cgroup_value(mount + path + "/" + file);
+    if (v && (!lowest || *v < *lowest)) lowest = v;
+    const size_t up = path.rfind('/');
+    if (path.empty() || up == std::string::npos) return lowest;
+    path.erase(up);
+  }
+}
+
+// The memory cgroup's bound on RAM + swap, given the host's RAM and swap (a missing limit is the
+// host's amount; a value at or above it, such as cgroup v1's "unlimited" 9223372036854771712, so
+// bounds nothing). Anything unreadable leaves the host's RAM + swap.
+inline long double cgroup_memory_bound(long double ram, long double swap) {
+  std::ifstream in(env_or("VERL_OPS_PROC_CGROUP", "/proc/self/cgroup"));
+  const std::string root = env_or("VERL_OPS_CGROUP_ROOT", "/sys/fs/cgroup");
+  std::string line, v2_path;
+  bool has_v2 = false;
+  while (std::getline(in, line)) {
+    // "hierarchy-id:controller,controller:path"; the path may itself hold ':'.
+    const size_t a = line.find(':'), b = a == std::string::npos ? a : line.find(':', a + 1);
+    if (b == std::string::npos) continue;
+    const std::string controllers = "," + line.substr(a + 1, b - a - 1) + ",";
+    const std::string path = line.substr(b + 1);
+    if (controllers.find(",memory,") != std::string::npos) {
+      // cgroup v1: memory.limit_in_bytes bounds RAM (the cgroup may still swap to the host's
+      // swap), memory.memsw.limit_in_bytes, where swap accounting is on, RAM and swap together.
+      const std::string mount = root + "/memory";
+      const auto mem = cgroup_min(mount, path, "memory.limit_in_bytes");
+      const auto memsw = cgroup_min(mount, path, "memory.memsw.limit_in_bytes");
+      long double bound = (mem ? std::min(*mem, ram) : ram) + swap;
+      if (memsw) bound = std::min(bound, *memsw);
+      return std::min(bound, ram + swap);
+    }
+    if (line.compare(0, 3, "0::") == 0) {
+      has_v2 = true;
+      v2_path = path;
+    }
+  }
+  // cgroup v2 (only when no v1 memory controller: on a hybrid host the "0::" line is the unified
+  // hierarchy, which holds no memory controller). memory.max bounds RAM and memory.swap.max swap
+  // separately; a swap.max of "max", or none (no swap accounting), leaves the host's swap usable.
+  if (has_v2) {
+    const auto mem = cgroup_min(root, v2_path, "memory.max");
+    const auto sw = cgroup_min(root, v2_path, "memory.swap.max");
+    return (mem ? std::min(*mem, ram) : ram) + (sw ? std::min(*sw, swap) : swap);
+  }
+  return ram + swap;
+}
+#endif
+
+// The memory this process may use: the host's RAM and swap together, or less where its memory
+// cgroup's limit is lower (Linux; elsewhere no bound). A CPU output larger than that cannot be
+// filled: under memory overcommit (vm.overcommit_memory=1, common on GPU servers) its allocation
+// would still succeed, and the zero fill or the first writes would bring the OOM killer onto the
+// process instead of an error. Computed once; never throws (no bound where sysinfo fails).
 inline int64_t host_memory_bytes() {
 #if defined(__linux__)
-  static const int64_t bytes = [] {
+  static const int64_t bytes = []() noexcept {
+    constexpr int64_t kNone = std::numeric_limits<int64_t>::max();
     struct sysinfo si {};
-    if (sysinfo(&si) != 0) return std::numeric_limits<int64_t>::max();
-    const long double total = (static_cast<long double>(si.totalram) + static_cast<long double>(si.totalswap)) *
-                              static_cast<long double>(si.mem_unit);
-    return total >= static_cast<long double>(std::numeric_limits<int64_t>::max())
-               ? std::numeric_limits<int64_t>::max()
-               : static_cast<int64_t>(total);
+    if (sysinfo(&si) != 0) return kNone;
+    const long double unit = static_cast<long double>(si.mem_unit);
+    const long double ram = static_cast<long double>(si.totalram) * unit;
+    const long double swap = static_cast<long double>(si.totalswap) * unit;
+    long double total = ram + swap;
+    try {
+      total = cgroup_memory_bound(ram, swap);
+    } catch (...) {  // std::bad_alloc, say: the cgroup only lowers the bound, never makes an error
+    }
+    return total >= static_cast<long double>(kNone) ? kNone : static_cast<int64_t>(total);
   }();
   return bytes;
 #else
@@ -272,7 +372,9 @@ inline Tensor output(const char* op, const char* sized_by, const Tensor& like, c
     shape << "]";
     fail(op, ": cannot allocate the output sized by ", sized_by, " (shape ", shape.str(), ", ", dtype_name(dtype),
          ") on ",
-         like.is_cpu() ? "the CPU" : "the GPU", ": out of memory, or larger than the allocator (on the CPU: the host's memory) allows");
+         like.is_cpu() ? cat("the CPU: out of memory, or larger than the host's memory (or its memory cgroup's limit) of ",
+                             host_memory_bytes(), " bytes")
+                       : std::string("the GPU: out of memory, or larger than the allocator allows"));
   }
 }
 
