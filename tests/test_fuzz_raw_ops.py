@@ -49,6 +49,14 @@ its seed, and the run goes on after it. Reproduce one case with
 Standalone: ``python tests/test_fuzz_raw_ops.py --device cpu|cuda --cases N --seed S`` prints a
 summary and exits non-zero on any finding (``--inprocess`` runs without child processes, e.g.
 under ``compute-sanitizer`` or ``valgrind``).
+
+Memory: the child processes run as in a container with a memory cgroup limit of
+``VERL_OPS_FUZZ_MEMORY`` bytes (default 4 GiB; 0: the host's own bound), through the test hooks of
+csrc/ops/stable.h (``VERL_OPS_PROC_CGROUP`` / ``VERL_OPS_CGROUP_ROOT`` pointed at a fake cgroup v1
+tree). So a ``free`` output (2 GiB - 1 TiB) is allocated or refused the same way on every host:
+without it, on a host with 128 GiB the two jobs' outputs of up to 128 GiB each were allocated and
+filled at once, and the host ran out of memory (every op of either job then failed with
+MemoryError or an unusable CUDA context).
 """
 
 from __future__ import annotations
@@ -61,6 +69,7 @@ import random
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -2021,8 +2030,6 @@ class Report:
 
 def _run_worker(cmd, env, case_timeout):
     """(stdout lines, stderr, exit status or None when killed for a hang)."""
-    import tempfile
-
     with tempfile.TemporaryFile("w+") as err:
         p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, env=env, cwd=ROOT)
         lines, beat = [], [time.time()]
@@ -2096,15 +2103,39 @@ def _run_range(device, start, count, case_timeout, inject_crash, env_extra, op=N
     return findings, counts
 
 
+def memory_limit_env(root: str, limit: int) -> dict:
+    """The environment under which st::output's bound is `limit` bytes: a fake cgroup v1 tree under
+    `root` (memory.limit_in_bytes and memory.memsw.limit_in_bytes both `limit`, so host swap adds
+    nothing) named by a fake /proc/self/cgroup."""
+    group = os.path.join(root, "memory", "verl_ops_fuzz")
+    os.makedirs(group, exist_ok=True)
+    for name in ("memory.limit_in_bytes", "memory.memsw.limit_in_bytes"):
+        with open(os.path.join(group, name), "w") as f:
+            f.write(f"{limit}\n")
+    proc = os.path.join(root, "proc_self_cgroup")
+    with open(proc, "w") as f:
+        f.write("4:memory:/verl_ops_fuzz\n0::/\n")
+    return {"VERL_OPS_PROC_CGROUP": proc, "VERL_OPS_CGROUP_ROOT": root}
+
+
+FUZZ_MEMORY = int(os.environ.get("VERL_OPS_FUZZ_MEMORY", str(4 << 30)))
+
+
 def fuzz(device: str, seed: int, cases: int, jobs: int = 2, case_timeout: float = 60.0, inject_crash=None,
          env_extra=None, op=None) -> Report:
+    with tempfile.TemporaryDirectory(prefix="verl_ops_fuzz_") as root:
+        env = memory_limit_env(root, FUZZ_MEMORY) if FUZZ_MEMORY > 0 else {}
+        return _fuzz(device, seed, cases, jobs, case_timeout, inject_crash, {**env, **(env_extra or {})}, op)
+
+
+def _fuzz(device, seed, cases, jobs, case_timeout, inject_crash, env_extra, op) -> Report:
     t0 = time.time()
     jobs = max(1, min(jobs, cases))
     per = -(-cases // jobs)
     ranges = [(seed + i * per, min(per, cases - i * per)) for i in range(jobs) if cases - i * per > 0]
     report = Report(device, seed, cases)
     with ThreadPoolExecutor(len(ranges)) as ex:
-        futs = [ex.submit(_run_range, device, s, n, case_timeout, inject_crash, env_extra or {}, op)
+        futs = [ex.submit(_run_range, device, s, n, case_timeout, inject_crash, env_extra, op)
                 for s, n in ranges]
         for f in futs:
             fs, cs = f.result()
@@ -2162,6 +2193,26 @@ def test_fuzz_raw_ops_cuda():
     report = fuzz("cuda", FUZZ_SEED, CUDA_CASES, jobs=1)
     print(report.format(limit=500))
     assert not report.findings, report.format(limit=500)
+
+
+def test_fuzz_workers_memory_bound(tmp_path):
+    """The workers' CPU outputs are bounded by FUZZ_MEMORY on any host (memory_limit_env): an 8 GiB
+    output is refused naming the 4 GiB bound, a 1 MiB one allocated."""
+    code = ("import torch, verl_ops\n"
+            "for rows in (1 << 29, 1 << 16):\n"
+            "    try:\n"
+            "        r = torch.ops.verl_ops.jagged_scatter(torch.zeros(3, 4), torch.tensor([0]),\n"
+            "                                              torch.tensor([0, 3], dtype=torch.int32), rows)\n"
+            "        print('ok', list(r.shape))\n"
+            "    except RuntimeError as e:\n"
+            "        print('error', e)\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               **memory_limit_env(str(tmp_path), 4 << 30))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    lines = out.stdout.splitlines()
+    assert len(lines) == 2, out.stdout + out.stderr
+    assert lines[0].startswith("error") and "jagged_scatter" in lines[0] and str(4 << 30) in lines[0], lines[0]
+    assert lines[1] == "ok [65536, 4]", lines[1]
 
 
 def test_fuzzer_covers_every_op():
@@ -2225,9 +2276,14 @@ def main(argv=None) -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: CUDA is not available", file=sys.stderr)
         return 2
+    # An accidental huge allocation fails instead of taking the machine down. Not where CUDA is
+    # there: a CUDA context (the CPU fuzz moves tensors to the GPU for its device-mix cases) needs
+    # more address space than the limit, and a worker whose context failed under it ran out of
+    # memory for everything after (MemoryError, the parser's SyntaxError, "device busy or
+    # unavailable"); the ops' own CPU outputs stay bounded by the fake memory cgroup of fuzz().
     if a.device == "cpu" and not a.no_rlimit and not os.environ.get("VERL_OPS_FUZZ_NO_RLIMIT") and \
-            (a.worker or a.inprocess):
-        _limit_memory()  # an accidental huge allocation fails instead of taking the machine down
+            (a.worker or a.inprocess) and not torch.cuda.is_available():
+        _limit_memory()
     if a.worker:
         torch.set_num_threads(1)  # the workers run side by side, one per core
         return worker(a.device, a.seed, a.cases, a.inject_crash, a.verbose, a.op)
