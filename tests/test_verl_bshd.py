@@ -181,6 +181,23 @@ class TestRealVerl:
                 assert torch.equal(getattr(our_out, k), getattr(their_out, k)), k
 
     @pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2), (2, 4)])
+    def test_build_vlm_attn_mask_thd_main_rule(self, real_mpu, monkeypatch, tp, cp):
+        """verl main 1dda039b's build_vlm_attn_mask_thd: ids padded to the longest length (no TP / CP
+        alignment), prefix mask."""
+        monkeypatch.setattr(vb, "VLM_THD_ALIGN_RULE", "main")
+        real_mpu.tp, real_mpu.cp, real_mpu.cp_rank = tp, cp, 0
+        seqs = make_seqs([5, 1, 7], "ids")  # 7: every alignment above 1 would change the width
+        for pad in (0, 7):
+            ids, mask = vb.build_vlm_attn_mask_thd(nested(seqs), pad)
+            want = torch.full((3, 7), pad, dtype=seqs[0].dtype)
+            want_mask = torch.zeros(3, 7, dtype=torch.bool)
+            for i, s in enumerate(seqs):
+                want[i, : len(s)] = s
+                want_mask[i, : len(s)] = True
+            assert ids.dtype == want.dtype and torch.equal(ids, want)
+            assert mask.dtype == torch.bool and torch.equal(mask, want_mask)
+
+    @pytest.mark.parametrize("tp,cp", [(1, 1), (2, 1), (1, 2), (2, 4)])
     def test_build_vlm_attn_masks(self, real_verl, real_mpu, tp, cp):
         x = nested(make_seqs([5, 1, 8], "ids"))
         real_mpu.tp, real_mpu.cp, real_mpu.cp_rank = tp, cp, 0
@@ -341,3 +358,27 @@ def test_install_reports_missing(monkeypatch):
         restored = vi.uninstall()
     assert restored == ["verl.models.mcore.util.preprocess_bshd_engine"]
     assert util.preprocess_bshd_engine is preprocess_bshd_engine
+
+
+@pytest.mark.parametrize("aligns,rule", [(True, "0.9.1"), (False, "main")])
+def test_vlm_thd_align_rule_read_from_verl_source(tmp_path, monkeypatch, aligns, rule):
+    """The rule follows the verl in use: its util.py's build_vlm_attn_mask_thd aligns to TP / CP
+    (0.9.1, names align_size) or pads to the longest length only (main)."""
+    util = tmp_path / "verl" / "models" / "mcore" / "util.py"
+    util.parent.mkdir(parents=True)
+    body = ("    align_size = tp_size * cp_size * 2 if cp_size > 1 else tp_size\n" if aligns else "")
+    util.write_text("def preprocess_thd_engine(input_ids):\n    pass\n\n\n"
+                    f"def build_vlm_attn_mask_thd(input_ids, pad_token_id=None):\n{body}"
+                    "    input_ids_with_pad = input_ids.to_padded_tensor(pad_token_id)\n\n\n"
+                    "def build_vlm_attn_mask_bshd(input_ids, batch_size, pad_token_id=None):\n"
+                    "    align_size = 2\n")
+    pkg = types.ModuleType("verl")
+    pkg.__path__ = [str(tmp_path / "verl")]
+    monkeypatch.setitem(sys.modules, "verl", pkg)
+    monkeypatch.delitem(sys.modules, "verl.models.mcore.util", raising=False)
+    monkeypatch.setattr(vb, "VLM_THD_ALIGN_RULE", None)
+    monkeypatch.setattr(vi, "_RULE_BY_FILE", {})
+    assert vb.vlm_thd_align_rule() == rule
+    monkeypatch.setattr(vb, "VLM_THD_ALIGN_RULE", "1.0")
+    with pytest.raises(ValueError, match="VLM_THD_ALIGN_RULE"):
+        vb.vlm_thd_align_rule()

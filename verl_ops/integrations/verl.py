@@ -349,7 +349,7 @@ def postprocess_packed_seqs(
 #: Which verl's zigzag roll rule preprocess_thd_engine follows: ``"0.9.1"``, ``"main"``, or None
 #: (default) for the rule of the verl that is in use, read from its ``verl/models/mcore/util.py``.
 ZIGZAG_ROLL_RULE: str | None = None
-_RULE_BY_FILE: dict[str, str] = {}
+_RULE_BY_FILE: dict[str, str] = {}  # verl util.py path -> its text, read once
 _PAD_TO_PADDED = re.compile(r"max\(\s*align_size\s*,\s*seqlen_padded_i\s*\)")
 
 
@@ -383,21 +383,29 @@ def zigzag_roll_rule() -> str:
         if ZIGZAG_ROLL_RULE not in ("0.9.1", "main"):
             raise ValueError(f"ZIGZAG_ROLL_RULE must be '0.9.1', 'main' or None, got {ZIGZAG_ROLL_RULE!r}")
         return ZIGZAG_ROLL_RULE
+    body = _verl_util_function("preprocess_thd_engine")
+    return "main" if body and not _PAD_TO_PADDED.search(body) else "0.9.1"
+
+
+def _verl_util_function(name: str) -> str:
+    """The source of function `name` in the in-use verl's ``verl/models/mcore/util.py`` (up to the
+    next top-level ``def``), or "" where there is no verl, no such file or no such function."""
     path = _verl_util_file()
     if path is None:
-        return "0.9.1"
-    rule = _RULE_BY_FILE.get(path)
-    if rule is None:
+        return ""
+    text = _RULE_BY_FILE.get(path)
+    if text is None:
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError:
             text = ""
-        start = text.find("def preprocess_thd_engine(")
-        body = text[start:text.find("\ndef ", start + 1)] if start >= 0 else ""
-        rule = "main" if body and not _PAD_TO_PADDED.search(body) else "0.9.1"
-        _RULE_BY_FILE[path] = rule
-    return rule
+        _RULE_BY_FILE[path] = text
+    start = text.find(f"def {name}(")
+    if start < 0:
+        return ""
+    end = text.find("\ndef ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
 
 
 def _main_roll_rows(layout: ThdLayout, cp_rank: int):

@@ -10,7 +10,9 @@
 ================================================  ===============================================
 
 Each returns exactly what verl 0.9.1 returns (values in every row, dtypes, shapes, exception types
-and messages). The BSHD engine path is the THD zigzag path with every sequence padded to the
+and messages). verl main (1dda039b) differs in one of them: its ``build_vlm_attn_mask_thd`` pads to
+the longest length without 0.9.1's TP / CP alignment; the drop-in follows the verl in use
+(:func:`vlm_thd_align_rule`, read from its source; ``VLM_THD_ALIGN_RULE`` overrides). The BSHD engine path is the THD zigzag path with every sequence padded to the
 batch's (aligned) longest length: the same :class:`~verl_ops.ThdLayout` and fused
 ``preprocess_thd`` / ``postprocess_thd`` ops, one gather kernel per tensor. Parallel sizes come
 from ``megatron.core.parallel_state`` as in verl (imported lazily).
@@ -27,7 +29,7 @@ import torch
 
 from .._thd import postprocess_thd, preprocess_thd
 from ..layout import ThdLayout
-from .verl import _mpu, postprocess_packed_seqs
+from .verl import _mpu, _verl_util_function, postprocess_packed_seqs
 
 __all__ = [
     "build_vlm_attn_mask_bshd",
@@ -275,17 +277,36 @@ def _vlm_padded(op, input_ids, batch_size, pad_token_id, max_seqlen):
     return padded, mask
 
 
+#: Whether build_vlm_attn_mask_thd rounds the longest length up to the TP / CP alignment:
+#: ``"0.9.1"`` (it does), ``"main"`` (verl main 1dda039b: it pads to the longest length only), or
+#: None (default) for the rule of the verl in use, read from its ``verl/models/mcore/util.py``.
+VLM_THD_ALIGN_RULE: str | None = None
+
+
+def vlm_thd_align_rule() -> str:
+    """``"0.9.1"`` or ``"main"`` (see VLM_THD_ALIGN_RULE): whether the in-use verl's
+    build_vlm_attn_mask_thd aligns to TP / CP (it names ``align_size``); ``"0.9.1"`` when no verl
+    is found."""
+    if VLM_THD_ALIGN_RULE is not None:
+        if VLM_THD_ALIGN_RULE not in ("0.9.1", "main"):
+            raise ValueError(f"VLM_THD_ALIGN_RULE must be '0.9.1', 'main' or None, got {VLM_THD_ALIGN_RULE!r}")
+        return VLM_THD_ALIGN_RULE
+    body = _verl_util_function("build_vlm_attn_mask_thd")
+    return "main" if body and "align_size" not in body else "0.9.1"
+
+
 def build_vlm_attn_mask_thd(input_ids: torch.Tensor, pad_token_id: int = None):
     """``(input_ids padded with pad_token_id to [B, S], prefix mask bool [B, S])``, ``S`` the longest
-    length rounded up to ``tp*cp*2`` (cp > 1) or ``tp``."""
+    length rounded up to ``tp*cp*2`` (cp > 1) or ``tp`` as in verl 0.9.1; under verl main's rule
+    (:func:`vlm_thd_align_rule`) the longest length itself."""
     op = "build_vlm_attn_mask_thd"
     lengths = _nested_lengths(op, input_ids)
-    mpu = _mpu()
-    max_seqlen, _ = _align_tp_cp(
-        int(lengths.max().item()),
-        mpu.get_tensor_model_parallel_world_size(),
-        mpu.get_context_parallel_world_size(),
-    )
+    max_seqlen = int(lengths.max().item())
+    if vlm_thd_align_rule() == "0.9.1":
+        mpu = _mpu()
+        max_seqlen, _ = _align_tp_cp(
+            max_seqlen, mpu.get_tensor_model_parallel_world_size(), mpu.get_context_parallel_world_size()
+        )
     return _vlm_padded(op, input_ids, input_ids.shape[0], pad_token_id, max_seqlen)
 
 
