@@ -632,6 +632,7 @@ _OWNERS: dict[str, str] = {
     "reorder_and_merge_vpp_layers": "verl.utils.megatron.router_replay_utils",
     "merge_nested_router_maps": "verl.utils.megatron.router_replay_utils",
     "DynamicCPScheduler": "verl.utils.dynamic_cp_scheduler",
+    "postprocess_dynamic_cp_batch": "verl.utils.dynamic_cp_scheduler",
 }
 # (module name, attribute) -> verl's original function, for uninstall().
 _ORIGINALS: dict[tuple[str, str], object] = {}
@@ -642,7 +643,7 @@ last_report: dict[str, list[str]] = {"patched": [], "missing": [], "incompatible
 def _all_drop_ins() -> dict:
     """The THD drop-ins above, the BSHD / dict-output / VLM-mask ones (verl_bshd), the R3 /
     router padding-mask ones (verl_r3), the pipeline-parallel router-map ones (verl_pp) and the
-    dynamic CP scheduler class (verl_dcp)."""
+    dynamic CP scheduler class and output collection (verl_dcp)."""
     from . import verl_bshd, verl_dcp, verl_pp, verl_r3
 
     out = dict(_DROP_INS)
@@ -654,6 +655,7 @@ def _all_drop_ins() -> dict:
     })
     out.update({name: getattr(verl_pp, name) for name in verl_pp.__all__})
     out["DynamicCPScheduler"] = verl_dcp.DynamicCPScheduler
+    out["postprocess_dynamic_cp_batch"] = verl_dcp.postprocess_dynamic_cp_batch
     return out
 
 
@@ -678,7 +680,10 @@ def install(*, strict: bool = False, report: bool = False):
     ``build_vlm_attn_mask_bshd``) and the R3 / router padding-mask ones of
     :mod:`verl_ops.integrations.verl_r3` (``_local_padding_mask`` in
     ``verl.utils.dynamic_cp_scheduler``; ``build_r3_replay_mask``, ``align_r3_router_replay_data`` in
-    ``verl.utils.megatron.router_replay_utils``) in the verl module that owns them (``verl.models.mcore.util`` unless named)
+    ``verl.utils.megatron.router_replay_utils``), the pipeline-parallel router-map ones of
+    :mod:`verl_ops.integrations.verl_pp` and the dynamic CP ones of
+    :mod:`verl_ops.integrations.verl_dcp` (``DynamicCPScheduler``, ``postprocess_dynamic_cp_batch``)
+    in the verl module that owns them (``verl.models.mcore.util`` unless named)
     and in every already-imported ``verl.*`` module that imported them by name (e.g.
     ``verl.models.mcore.model_forward``); modules imported later pick the drop-ins up from the
     owner. A function this verl does not have is reported as missing; one whose verl parameters

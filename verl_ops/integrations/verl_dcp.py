@@ -1,5 +1,8 @@
-"""Drop-in for verl's ``DynamicCPScheduler`` (``verl/utils/dynamic_cp_scheduler.py``), the
-TensorDict adapter over Megatron-Core's ``DefaultDynamicCPScheduler``.
+"""Drop-ins for verl's ``DynamicCPScheduler`` (``verl/utils/dynamic_cp_scheduler.py``), the
+TensorDict adapter over Megatron-Core's ``DefaultDynamicCPScheduler``, and for its
+``postprocess_dynamic_cp_batch``, which collects the CP group leaders' outputs back in sample order
+(:func:`postprocess_dynamic_cp_batch`: the same results, with the outputs' bytes in one tensor
+all-gather instead of through the host and pickle).
 
 verl's ``DynamicCPScheduler(max_seqlen_per_dp_cp_rank, dp_size, cp_size).schedule(batch,
 dcp_group, *, tp_size, cp_layout="zigzag", min_local_rows=None)`` hands the sequence lengths of a
@@ -38,7 +41,7 @@ import sys
 
 import torch
 
-__all__ = ["DynamicCPScheduler", "dynamic_cp_schedule"]
+__all__ = ["DynamicCPScheduler", "dynamic_cp_schedule", "postprocess_dynamic_cp_batch"]
 
 _OWNER = "verl.utils.dynamic_cp_scheduler"
 _MCORE = "megatron.core.datasets.data_schedule"
@@ -424,3 +427,162 @@ class DynamicCPScheduler:
             micro_batch[DCP_LOCAL_NUM_TOKENS] = NonTensorData(mask.numel() - int(mask.sum().item()))
             out.append(micro_batch)
         return out
+
+
+# --------------------------------------------------------------------------------------------
+# verl's postprocess_dynamic_cp_batch: the group leaders' outputs, collected in sample order.
+
+
+def _append_to_dict():
+    """verl's ``append_to_dict`` as verl's module uses it (its module global when the module is
+    loaded, else ``verl.utils.py_functional``'s)."""
+    owner = sys.modules.get(_OWNER)
+    fn = getattr(owner, "append_to_dict", None)
+    if fn is not None:
+        return fn
+    from verl.utils.py_functional import append_to_dict
+
+    return append_to_dict
+
+
+def _local_parts(model_output: dict, sample_ids: list) -> dict:
+    """verl's ``_detach_model_output`` without the copy to the host: per key, the detached
+    per-sample parts (same checks, errors and messages)."""
+    parts = {}
+    for key, value in model_output.items():
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"Dynamic CP model output {key!r} must be a tensor, got {type(value).__name__}")
+        p = list(value.unbind()) if value.is_nested else list(value.unbind(0))
+        if len(p) != len(sample_ids):
+            raise ValueError(f"Dynamic CP output {key!r} has {len(p)} samples for ids {sample_ids}")
+        parts[key] = [x.detach() for x in p]
+    return parts
+
+
+_ALIGN = 16  # bytes: each block of the byte buffer starts aligned for any dtype's view
+
+
+def postprocess_dynamic_cp_batch(output_lst: list, batch_size: int, dcp_group, include_model_output: bool = True) -> dict:
+    """verl's ``postprocess_dynamic_cp_batch``: every CP group leader's micro-batch outputs
+    collected over ``dcp_group`` and put back in sample order, as ``{"model_output": {key: jagged
+    nested tensor [batch_size, j, ...]}, "loss": [...], "metrics": {...}}`` on every rank (the same
+    values, dtypes, devices, orders and errors as verl's).
+
+    How it differs from verl's code: the model outputs do not go through the host and pickle.
+    verl copies every sample's part of every output to the CPU, all-gathers them as Python objects
+    and copies the nested result back to the device. Here only the small things (sample ids, loss,
+    metrics, each part's shape and dtype) are all-gathered as objects; the parts' bytes travel in
+    one all-gather of a byte buffer on the group's device (the GPU under NCCL), and the nested
+    tensors are built there. A rank whose own outputs are wrong (verl's ``TypeError`` /
+    ``ValueError``) raises verl's error, and the other ranks a ``RuntimeError`` naming it, instead
+    of waiting in the collective (verl's other ranks hang there).
+    """
+    import torch.distributed as dist
+
+    output_device = next(
+        (
+            value.device
+            for output in output_lst
+            for value in output.get("model_output", {}).values()
+            if isinstance(value, torch.Tensor)
+        ),
+        None,
+    )
+    backend = dist.get_backend(dcp_group)
+    comm_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
+
+    # This rank's leader records: sample ids, loss, metrics, and per key the parts' (shape, dtype)
+    # with the byte offset of their block in this rank's buffer.
+    records, blocks, nbytes, error = [], [], 0, None
+    try:
+        for output in output_lst:
+            if not output.get(DCP_GROUP_LEADER, False):
+                continue
+            sample_ids = [int(sample_id) for sample_id in output[DCP_SAMPLE_IDS]]
+            parts = _local_parts(output.get("model_output", {}), sample_ids)
+            meta = {}
+            for key, p in parts.items():
+                entries = []
+                for x in p:  # (offset, bytes, dtype name, shape) of each part
+                    size = x.numel() * x.element_size()
+                    entries.append((nbytes, size, str(x.dtype).removeprefix("torch."), tuple(x.shape)))
+                    blocks.append((nbytes, x))
+                    nbytes += -(-size // _ALIGN) * _ALIGN
+                meta[key] = entries
+            records.append({
+                "sample_ids": sample_ids,
+                "loss": output.get("loss", None),
+                "metrics": output.get("metrics", {}),
+                "model_output": meta,
+            })
+    except (TypeError, ValueError, KeyError) as e:
+        error = e
+
+    # One object all-gather of the records (or this rank's error), as verl's one of everything.
+    world = dcp_group.size()
+    mine = {"records": records, "nbytes": nbytes, "error": None if error is None else f"{type(error).__name__}: {error}"}
+    gathered = [None] * world
+    dist.all_gather_object(gathered, mine, group=dcp_group)
+    failed = [(r, g["error"]) for r, g in enumerate(gathered) if g["error"] is not None]
+    if failed:
+        if error is not None:
+            raise error
+        r, what = failed[0]
+        raise RuntimeError(f"postprocess_dynamic_cp_batch: rank {r} of the dynamic CP group failed: {what}")
+
+    # The parts' bytes: one buffer per rank, padded to the longest, in one all-gather.
+    longest = max(g["nbytes"] for g in gathered)
+    buffers = None
+    if longest > 0:
+        local = torch.zeros(longest, dtype=torch.uint8, device=comm_device)
+        for offset, x in blocks:
+            flat = x.reshape(-1).view(torch.uint8) if x.numel() else None
+            if flat is not None:
+                local[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
+        if backend == "nccl":
+            out = torch.empty(world * longest, dtype=torch.uint8, device=comm_device)
+            dist.all_gather_into_tensor(out, local, group=dcp_group)
+            buffers = list(out.view(world, longest).unbind(0))
+        else:
+            buffers = [torch.empty_like(local) for _ in range(world)]
+            dist.all_gather(buffers, local, group=dcp_group)
+
+    all_records = [(rank, rec) for rank, g in enumerate(gathered) for rec in g["records"]]
+    collected_ids = [sample_id for _, rec in all_records for sample_id in rec["sample_ids"]]
+    expected_ids = set(range(batch_size))
+    if sorted(collected_ids) != list(range(batch_size)):
+        raise RuntimeError(
+            f"Dynamic CP output collection must contain each sample once, got ids {sorted(collected_ids)}"
+        )
+
+    all_records.sort(key=lambda item: min(item[1]["sample_ids"]))
+    append_to_dict = _append_to_dict()
+    by_key: dict = {}
+    losses = []
+    metrics = {}
+    for rank, rec in all_records:
+        if rec["loss"] is not None:
+            losses.append(rec["loss"])
+        append_to_dict(metrics, rec["metrics"])
+        for key, entries in rec["model_output"].items():
+            values = by_key.setdefault(key, {})
+            for sample_id, (offset, size, dtype, shape) in zip(rec["sample_ids"], entries, strict=True):
+                values[sample_id] = (rank, offset, size, getattr(torch, dtype), shape)
+
+    model_output = {}
+    if include_model_output:
+        target = output_device if output_device is not None else torch.device("cpu")
+        for key, values in by_key.items():
+            missing = expected_ids.difference(values)
+            if missing:
+                raise RuntimeError(f"Dynamic CP output {key!r} is missing sample ids {sorted(missing)}")
+            parts = []
+            for sample_id in range(batch_size):
+                rank, offset, size, dtype, shape = values[sample_id]
+                raw = buffers[rank][offset : offset + size] if size else torch.empty(0, dtype=torch.uint8, device=comm_device)
+                parts.append(raw.view(dtype).reshape(shape))
+            # verl's construction (torch.nested.as_nested_tensor of the parts in sample order), on
+            # the group's device instead of the host, then to the outputs' device as in verl.
+            model_output[key] = torch.nested.as_nested_tensor(parts, layout=torch.jagged).to(target)
+
+    return {"model_output": model_output, "loss": losses, "metrics": metrics}
