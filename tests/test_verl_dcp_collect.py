@@ -66,6 +66,11 @@ def _outputs(rank, world, seed, batch_size, mb_groups):
                 "routes": torch.nested.as_nested_tensor([seq(s, n, (3,), torch.int16) for s, n in zip(ids, lens)],
                                                         layout=torch.jagged),
                 "values": torch.stack([seq(s, 5) for s in ids]) if ids else torch.zeros(0, 5),
+                # a nested tensor with holes (per-sample windows of a padded buffer: verl's unbind path)
+                "window": torch.nested.narrow(torch.stack([seq(s, 20) for s in ids]), 1,
+                                              torch.tensor([s % 3 for s in ids]),
+                                              torch.tensor([min(n, 17) for n in lens]), layout=torch.jagged),
+                "pairs": torch.stack([seq(s, 2) for s in ids]).t().contiguous().t(),  # non-contiguous [n, 2]
             }
             out.append({
                 LEADER: rank == ranks[0],
@@ -128,7 +133,8 @@ def check_collect(rank, world, seed):
         (k1, theirs), (k2, ours) = _run_both(rank, world, outputs, batch_size, group, include)
         assert k1 == k2 == "ok", (theirs, ours)
         _same(ours, theirs)
-        assert set(ours["model_output"]) == ({"log_probs", "entropy", "routes", "values"} if include else set())
+        assert set(ours["model_output"]) == ({"log_probs", "entropy", "routes", "values", "window", "pairs"}
+                                             if include else set())
     # a sample collected twice, or one missing: verl's RuntimeError, on every rank, both ways
     for bad in ([[([0], [0, 1])], [([world - 1], [1])]] + mbs[1:], mbs[:1]):
         outputs = _outputs(rank, world, seed, batch_size, bad)

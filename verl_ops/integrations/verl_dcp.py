@@ -445,18 +445,43 @@ def _append_to_dict():
     return append_to_dict
 
 
-def _local_parts(model_output: dict, sample_ids: list) -> dict:
-    """verl's ``_detach_model_output`` without the copy to the host: per key, the detached
-    per-sample parts (same checks, errors and messages)."""
-    parts = {}
+def _local_blocks(model_output: dict, sample_ids: list) -> dict:
+    """verl's ``_detach_model_output`` without the copy to the host (same checks, errors and
+    messages): per key, ``(blocks, parts)``: the detached tensors whose bytes are sent (one per
+    output where its samples are consecutive in memory: a jagged nested tensor without holes, a
+    dense tensor; else one per sample) and, per sample, ``(block index, byte offset in the block,
+    bytes, dtype, shape)`` of its part, which is what verl's ``unbind`` gives."""
+    out = {}
     for key, value in model_output.items():
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Dynamic CP model output {key!r} must be a tensor, got {type(value).__name__}")
-        p = list(value.unbind()) if value.is_nested else list(value.unbind(0))
+        nested = value.is_nested
+        fast = (value.layout == torch.jagged and value._lengths is None and value._ragged_idx == 1) if nested \
+            else value.dim() >= 1
+        if fast:
+            block = (value.values() if nested else value).detach().contiguous()
+            row = math.prod(block.shape[1:]) * block.element_size()  # bytes of a token (nested) / a sample
+            feat = tuple(block.shape[1:])
+            if nested:
+                offs = value.offsets().tolist()
+                n = len(offs) - 1
+            else:
+                n = value.shape[0]
+            if n != len(sample_ids):
+                raise ValueError(f"Dynamic CP output {key!r} has {n} samples for ids {sample_ids}")
+            if nested:
+                parts = [(0, offs[i] * row, (offs[i + 1] - offs[i]) * row, block.dtype, (offs[i + 1] - offs[i], *feat))
+                         for i in range(n)]
+            else:
+                parts = [(0, i * row, row, block.dtype, feat) for i in range(n)]
+            out[key] = ([block], parts)
+            continue
+        p = list(value.unbind()) if nested else list(value.unbind(0))
         if len(p) != len(sample_ids):
             raise ValueError(f"Dynamic CP output {key!r} has {len(p)} samples for ids {sample_ids}")
-        parts[key] = [x.detach() for x in p]
-    return parts
+        blocks = [x.detach() for x in p]
+        out[key] = (blocks, [(i, 0, x.numel() * x.element_size(), x.dtype, tuple(x.shape)) for i, x in enumerate(blocks)])
+    return out
 
 
 _ALIGN = 16  # bytes: each block of the byte buffer starts aligned for any dtype's view
@@ -499,23 +524,23 @@ def postprocess_dynamic_cp_batch(output_lst: list, batch_size: int, dcp_group, i
             if not output.get(DCP_GROUP_LEADER, False):
                 continue
             sample_ids = [int(sample_id) for sample_id in output[DCP_SAMPLE_IDS]]
-            parts = _local_parts(output.get("model_output", {}), sample_ids)
             meta = {}
-            for key, p in parts.items():
-                entries = []
-                for x in p:  # (offset, bytes, dtype name, shape) of each part
-                    size = x.numel() * x.element_size()
-                    entries.append((nbytes, size, str(x.dtype).removeprefix("torch."), tuple(x.shape)))
-                    blocks.append((nbytes, x))
-                    nbytes += -(-size // _ALIGN) * _ALIGN
-                meta[key] = entries
+            for key, (key_blocks, parts) in _local_blocks(output.get("model_output", {}), sample_ids).items():
+                starts = []
+                for b in key_blocks:  # each block at an aligned offset of this rank's buffer
+                    starts.append(nbytes)
+                    blocks.append((nbytes, b))
+                    nbytes += -(-(b.numel() * b.element_size()) // _ALIGN) * _ALIGN
+                # (offset, bytes, dtype name, shape) of each sample's part
+                meta[key] = [(starts[i] + off, size, str(dtype).removeprefix("torch."), shape)
+                             for i, off, size, dtype, shape in parts]
             records.append({
                 "sample_ids": sample_ids,
                 "loss": output.get("loss", None),
                 "metrics": output.get("metrics", {}),
                 "model_output": meta,
             })
-    except (TypeError, ValueError, KeyError) as e:
+    except Exception as e:  # noqa: BLE001  (verl's error, raised here after every rank knows of it)
         error = e
 
     # One object all-gather of the records (or this rank's error), as verl's one of everything.
