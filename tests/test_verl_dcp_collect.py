@@ -165,6 +165,23 @@ def check_bad_output_raises_everywhere(rank, world):
         assert rank != 1 and "rank 1" in str(e) and "must be a tensor" in str(e), e
     else:
         raise AssertionError("no error")
+    # an output verl's own unbind rejects (0-d): verl's exception on that rank, RuntimeError elsewhere
+    detach = verl_stubs.load_verl_functions("utils/dynamic_cp_scheduler.py", ["_detach_model_output"])
+    try:
+        detach["_detach_model_output"]({"x": torch.tensor(1.0)}, [0])
+    except Exception as e:  # noqa: BLE001
+        expected = e
+    outputs = [{LEADER: True, IDS: [rank], "model_output": {"x": torch.tensor(1.0) if rank == 0 else torch.zeros(1)},
+                "loss": None, "metrics": {}}]
+    try:
+        verl_dcp.postprocess_dynamic_cp_batch(outputs, world, dist.group.WORLD)
+    except Exception as e:  # noqa: BLE001
+        if rank == 0:
+            assert type(e) is type(expected) and str(e) == str(expected), (e, expected)
+        else:
+            assert type(e) is RuntimeError and "rank 0" in str(e), e
+    else:
+        raise AssertionError("no error")
     # and the group still works after it (nobody is left inside a collective)
     outputs = [{LEADER: True, IDS: [rank], "model_output": {"x": torch.full((1, 2), float(rank))}, "loss": None,
                 "metrics": {}}]
