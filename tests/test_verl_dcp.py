@@ -537,16 +537,25 @@ def test_install_patches_stand_in_owner(monkeypatch):
         def __init__(self, max_seqlen_per_dp_cp_rank, dp_size, cp_size):
             pass
 
+    def verl_collect(output_lst, batch_size, dcp_group, include_model_output=True):
+        pass
+
     owner = types.ModuleType(OWNER)
     owner.DynamicCPScheduler = VerlScheduler
+    owner.postprocess_dynamic_cp_batch = verl_collect
     user = types.ModuleType("verl.workers.engine.megatron.transformer_impl")
     user.DynamicCPScheduler = VerlScheduler
+    user.postprocess_dynamic_cp_batch = verl_collect
     monkeypatch.setitem(sys.modules, OWNER, owner)
     monkeypatch.setitem(sys.modules, user.__name__, user)
     try:
         rep = vi.install(report=True)
         assert f"{OWNER}.DynamicCPScheduler" in rep["patched"]
+        assert f"{OWNER}.postprocess_dynamic_cp_batch" in rep["patched"]
         assert owner.DynamicCPScheduler is dcp.DynamicCPScheduler and user.DynamicCPScheduler is dcp.DynamicCPScheduler
+        assert owner.postprocess_dynamic_cp_batch is dcp.postprocess_dynamic_cp_batch
+        assert user.postprocess_dynamic_cp_batch is dcp.postprocess_dynamic_cp_batch
     finally:
         vi.uninstall()
     assert owner.DynamicCPScheduler is VerlScheduler and user.DynamicCPScheduler is VerlScheduler
+    assert owner.postprocess_dynamic_cp_batch is verl_collect and user.postprocess_dynamic_cp_batch is verl_collect
