@@ -129,12 +129,24 @@ def check_collect(rank, world, seed):
         mbs = [[([0, 1], [3, 0]), ([2, 3], [6])], [([0, 1, 2, 3], [1, 7, 2])], [([3], [4]), ([1], [5]), ([0], [8])]]
         batch_size = 9
     outputs = _outputs(rank, world, seed, batch_size, mbs)
+    if rank == 1:  # lazily conjugated / negated views on one rank: their values, not their storage
+        for o in outputs:
+            if o[LEADER]:
+                n = len(o[IDS])
+                o["model_output"]["z"] = (torch.arange(n * 2.0).to(torch.complex64) * (1 + 2j)).view(n, 2).conj()
+                o["model_output"]["neg"] = torch._neg_view(torch.arange(n * 3, dtype=torch.float32).view(n, 3))
+    else:
+        for o in outputs:
+            if o[LEADER]:
+                n = len(o[IDS])
+                o["model_output"]["z"] = torch.arange(n * 2.0).to(torch.complex64).view(n, 2)
+                o["model_output"]["neg"] = torch.arange(n * 3, dtype=torch.float32).view(n, 3)
     for include in (True, rank % 2 == 0):
         (k1, theirs), (k2, ours) = _run_both(rank, world, outputs, batch_size, group, include)
         assert k1 == k2 == "ok", (theirs, ours)
         _same(ours, theirs)
-        assert set(ours["model_output"]) == ({"log_probs", "entropy", "routes", "values", "window", "pairs"}
-                                             if include else set())
+        assert set(ours["model_output"]) == ({"log_probs", "entropy", "routes", "values", "window", "pairs", "z",
+                                              "neg"} if include else set())
     # a sample collected twice, or one missing: verl's RuntimeError, on every rank, both ways
     for bad in ([[([0], [0, 1])], [([world - 1], [1])]] + mbs[1:], mbs[:1]):
         outputs = _outputs(rank, world, seed, batch_size, bad)
@@ -180,6 +192,26 @@ def check_bad_output_raises_everywhere(rank, world):
             assert type(e) is type(expected) and str(e) == str(expected), (e, expected)
         else:
             assert type(e) is RuntimeError and "rank 0" in str(e), e
+    else:
+        raise AssertionError("no error")
+    # offsets that do not tile the values: verl's unbind error on that rank (the drop-in must not
+    # read past the output into the next one), RuntimeError elsewhere
+    vals = torch.arange(4.0)
+    bad_nt = torch.nested.nested_tensor_from_jagged(vals, torch.tensor([0, 8]))
+    try:
+        detach["_detach_model_output"]({"x": bad_nt}, [0])
+    except Exception as e:  # noqa: BLE001
+        expected = e
+    outputs = [{LEADER: True, IDS: [rank], "model_output": {
+        "x": bad_nt if rank == world - 1 else torch.nested.nested_tensor_from_jagged(vals, torch.tensor([0, 4])),
+        "y": torch.ones(1, 4)}, "loss": None, "metrics": {}}]
+    try:
+        verl_dcp.postprocess_dynamic_cp_batch(outputs, world, dist.group.WORLD)
+    except Exception as e:  # noqa: BLE001
+        if rank == world - 1:
+            assert type(e) is type(expected) and str(e) == str(expected), (e, expected)
+        else:
+            assert type(e) is RuntimeError and f"rank {world - 1}" in str(e), e
     else:
         raise AssertionError("no error")
     # and the group still works after it (nobody is left inside a collective)
@@ -231,3 +263,21 @@ def test_collect_matches_verl(dist_run, seed):
 
 def test_bad_output_raises_on_every_rank(dist_run):
     assert dist_run("check_bad_output_raises_everywhere") == [True] * dist_run.world
+
+
+@pytest.mark.parametrize("backend,output_device,want", [
+    ("gloo", None, "cpu"),
+    ("gloo", "cpu", "cpu"),
+    ("cpu:gloo,cuda:nccl", "cuda", "cuda"),  # verl's groups: the bytes go over NCCL when there is a GPU
+    ("nccl", "cuda", "cuda"),
+    ("xccl", "meta", "meta"),  # another device backend: the outputs' device
+    ("xccl", None, "cpu"),
+])
+def test_comm_device(monkeypatch, backend, output_device, want):
+    from verl_ops.integrations import verl_dcp
+
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: backend)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    dev = verl_dcp._comm_device(object(), None if output_device is None else torch.device(output_device))
+    assert dev.type == want

@@ -37,6 +37,7 @@ errors and messages). How it differs from verl's code, not in what it returns:
 from __future__ import annotations
 
 import math
+import pickle
 import sys
 
 import torch
@@ -456,17 +457,18 @@ def _local_blocks(model_output: dict, sample_ids: list) -> dict:
         if not isinstance(value, torch.Tensor):
             raise TypeError(f"Dynamic CP model output {key!r} must be a tensor, got {type(value).__name__}")
         nested = value.is_nested
-        fast = (value.layout == torch.jagged and value._lengths is None and value._ragged_idx == 1) if nested \
-            else value.dim() >= 1
+        offs = None
+        if nested and value.layout == torch.jagged and value._lengths is None and value._ragged_idx == 1:
+            offs = value.offsets().tolist()
+            # only offsets that tile the values exactly (verl's unbind rejects the others)
+            fast = offs[0] == 0 and offs[-1] == value.values().shape[0]
+        else:
+            fast = not nested and value.layout == torch.strided and value.dim() >= 1
         if fast:
             block = (value.values() if nested else value).detach().contiguous()
             row = math.prod(block.shape[1:]) * block.element_size()  # bytes of a token (nested) / a sample
             feat = tuple(block.shape[1:])
-            if nested:
-                offs = value.offsets().tolist()
-                n = len(offs) - 1
-            else:
-                n = value.shape[0]
+            n = len(offs) - 1 if nested else value.shape[0]
             if n != len(sample_ids):
                 raise ValueError(f"Dynamic CP output {key!r} has {n} samples for ids {sample_ids}")
             if nested:
@@ -480,11 +482,30 @@ def _local_blocks(model_output: dict, sample_ids: list) -> dict:
         if len(p) != len(sample_ids):
             raise ValueError(f"Dynamic CP output {key!r} has {len(p)} samples for ids {sample_ids}")
         blocks = [x.detach() for x in p]
+        for x in blocks:
+            if x.layout != torch.strided:  # (sparse, ...): verl's error is its pickling's; else ours
+                pickle.dumps(x.cpu())
+                raise NotImplementedError(
+                    f"postprocess_dynamic_cp_batch: output {key!r} has layout {x.layout}; only strided parts are sent")
         out[key] = (blocks, [(i, 0, x.numel() * x.element_size(), x.dtype, tuple(x.shape)) for i, x in enumerate(blocks)])
     return out
 
 
 _ALIGN = 16  # bytes: each block of the byte buffer starts aligned for any dtype's view
+
+
+def _comm_device(group, output_device):
+    """Where the bytes travel: the GPU when the group has NCCL (alone, or for CUDA tensors in a
+    ``"cpu:gloo,cuda:nccl"`` group, as verl creates it), the CPU under gloo alone, else the outputs'
+    device (another device backend)."""
+    import torch.distributed as dist
+
+    backend = str(dist.get_backend(group)).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    if "gloo" in backend or output_device is None:
+        return torch.device("cpu")
+    return output_device
 
 
 def postprocess_dynamic_cp_batch(output_lst: list, batch_size: int, dcp_group, include_model_output: bool = True) -> dict:
@@ -499,27 +520,30 @@ def postprocess_dynamic_cp_batch(output_lst: list, batch_size: int, dcp_group, i
     metrics, each part's shape and dtype) are all-gathered as objects; the parts' bytes travel in
     one all-gather of a byte buffer on the group's device (the GPU under NCCL), and the nested
     tensors are built there. A rank whose own outputs are wrong (verl's ``TypeError`` /
-    ``ValueError``) raises verl's error, and the other ranks a ``RuntimeError`` naming it, instead
-    of waiting in the collective (verl's other ranks hang there).
+    ``ValueError``, or any other error of this rank's part) raises verl's error, and the other ranks
+    a ``RuntimeError`` naming it, instead of waiting in the collective (verl's other ranks hang
+    there). Where verl's own pickling fails on every rank (float8, uint16 / uint32 and complex32
+    outputs under torch 2.11: ``AttributeError`` on unpickling), this returns the outputs.
     """
     import torch.distributed as dist
 
-    output_device = next(
-        (
-            value.device
-            for output in output_lst
-            for value in output.get("model_output", {}).values()
-            if isinstance(value, torch.Tensor)
-        ),
-        None,
-    )
-    backend = dist.get_backend(dcp_group)
-    comm_device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
-
-    # This rank's leader records: sample ids, loss, metrics, and per key the parts' (shape, dtype)
-    # with the byte offset of their block in this rank's buffer.
-    records, blocks, nbytes, error = [], [], 0, None
+    # This rank's part, all of it before the first collective, so that an error here (verl's, or
+    # one of this path's own) reaches every rank instead of leaving the others in a collective:
+    # the leader records (sample ids, loss, metrics, and per key each part's byte offset, size,
+    # dtype and shape) and the bytes of every part in one buffer on the group's device.
+    records, nbytes, local, error = [], 0, None, None
     try:
+        output_device = next(
+            (
+                value.device
+                for output in output_lst
+                for value in output.get("model_output", {}).values()
+                if isinstance(value, torch.Tensor)
+            ),
+            None,
+        )
+        comm_device = _comm_device(dcp_group, output_device)
+        blocks = []
         for output in output_lst:
             if not output.get(DCP_GROUP_LEADER, False):
                 continue
@@ -529,7 +553,9 @@ def postprocess_dynamic_cp_batch(output_lst: list, batch_size: int, dcp_group, i
                 starts = []
                 for b in key_blocks:  # each block at an aligned offset of this rank's buffer
                     starts.append(nbytes)
-                    blocks.append((nbytes, b))
+                    if b.numel():
+                        # the bytes as stored (a lazily conjugated / negated view resolved first)
+                        blocks.append((nbytes, b.resolve_conj().resolve_neg().reshape(-1).view(torch.uint8)))
                     nbytes += -(-(b.numel() * b.element_size()) // _ALIGN) * _ALIGN
                 # (offset, bytes, dtype name, shape) of each sample's part
                 meta[key] = [(starts[i] + off, size, str(dtype).removeprefix("torch."), shape)
@@ -540,6 +566,10 @@ def postprocess_dynamic_cp_batch(output_lst: list, batch_size: int, dcp_group, i
                 "metrics": output.get("metrics", {}),
                 "model_output": meta,
             })
+        pickle.dumps(records)  # what all_gather_object would fail on (a loss or metric that does not pickle)
+        local = torch.empty(nbytes, dtype=torch.uint8, device=comm_device)
+        for offset, flat in blocks:
+            local[offset : offset + flat.numel()].copy_(flat)
     except Exception as e:  # noqa: BLE001  (verl's error, raised here after every rank knows of it)
         error = e
 
@@ -559,12 +589,9 @@ def postprocess_dynamic_cp_batch(output_lst: list, batch_size: int, dcp_group, i
     longest = max(g["nbytes"] for g in gathered)
     buffers = None
     if longest > 0:
-        local = torch.zeros(longest, dtype=torch.uint8, device=comm_device)
-        for offset, x in blocks:
-            flat = x.reshape(-1).view(torch.uint8) if x.numel() else None
-            if flat is not None:
-                local[offset : offset + flat.numel()].copy_(flat, non_blocking=True)
-        if backend == "nccl":
+        if local.numel() < longest:
+            local = torch.cat([local, local.new_zeros(longest - local.numel())])
+        if dist.get_backend(dcp_group) == "nccl" or comm_device.type != "cpu":
             out = torch.empty(world * longest, dtype=torch.uint8, device=comm_device)
             dist.all_gather_into_tensor(out, local, group=dcp_group)
             buffers = list(out.view(world, longest).unbind(0))
