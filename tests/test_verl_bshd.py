@@ -377,7 +377,7 @@ def test_vlm_thd_align_rule_read_from_verl_source(tmp_path, monkeypatch, aligns,
     monkeypatch.setitem(sys.modules, "verl", pkg)
     monkeypatch.delitem(sys.modules, "verl.models.mcore.util", raising=False)
     monkeypatch.setattr(vb, "VLM_THD_ALIGN_RULE", None)
-    monkeypatch.setattr(vi, "_RULE_BY_FILE", {})
+    monkeypatch.setattr(vi, "_UTIL_TEXT_BY_FILE", {})
     assert vb.vlm_thd_align_rule() == rule
     monkeypatch.setattr(vb, "VLM_THD_ALIGN_RULE", "1.0")
     with pytest.raises(ValueError, match="VLM_THD_ALIGN_RULE"):

@@ -343,7 +343,7 @@ def test_zigzag_roll_rule_read_from_verl_source(tmp_path, monkeypatch, padded_to
     monkeypatch.setitem(sys.modules, "verl", pkg)
     monkeypatch.delitem(sys.modules, "verl.models.mcore.util", raising=False)
     monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", None)
-    monkeypatch.setattr(vi, "_RULE_BY_FILE", {})
+    monkeypatch.setattr(vi, "_UTIL_TEXT_BY_FILE", {})
     assert vi.zigzag_roll_rule() == rule
     monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "1.0")
     with pytest.raises(ValueError, match="ZIGZAG_ROLL_RULE"):

@@ -349,7 +349,7 @@ def postprocess_packed_seqs(
 #: Which verl's zigzag roll rule preprocess_thd_engine follows: ``"0.9.1"``, ``"main"``, or None
 #: (default) for the rule of the verl that is in use, read from its ``verl/models/mcore/util.py``.
 ZIGZAG_ROLL_RULE: str | None = None
-_RULE_BY_FILE: dict[str, str] = {}  # verl util.py path -> its text, read once
+_UTIL_TEXT_BY_FILE: dict[str, str] = {}  # verl util.py path -> its text, read once
 _PAD_TO_PADDED = re.compile(r"max\(\s*align_size\s*,\s*seqlen_padded_i\s*\)")
 
 
@@ -379,12 +379,20 @@ def zigzag_roll_rule() -> str:
     """``"0.9.1"`` or ``"main"``: the zigzag roll rule of the verl in use (see ZIGZAG_ROLL_RULE).
     Read from verl's source (whether its preprocess_thd_engine pads a sequence to its padded
     length); ``"0.9.1"`` when no verl is found."""
-    if ZIGZAG_ROLL_RULE is not None:
-        if ZIGZAG_ROLL_RULE not in ("0.9.1", "main"):
-            raise ValueError(f"ZIGZAG_ROLL_RULE must be '0.9.1', 'main' or None, got {ZIGZAG_ROLL_RULE!r}")
-        return ZIGZAG_ROLL_RULE
-    body = _verl_util_function("preprocess_thd_engine")
-    return "main" if body and not _PAD_TO_PADDED.search(body) else "0.9.1"
+    return _verl_rule("ZIGZAG_ROLL_RULE", ZIGZAG_ROLL_RULE, "preprocess_thd_engine",
+                      lambda body: not _PAD_TO_PADDED.search(body))
+
+
+def _verl_rule(override_name: str, override: str | None, function: str, is_main) -> str:
+    """``"0.9.1"`` or ``"main"``: ``override`` (the module setting named ``override_name``) when set,
+    else ``"main"`` where the in-use verl's util.py has ``function`` and ``is_main(its source)``,
+    ``"0.9.1"`` otherwise (also when no verl is found)."""
+    if override is not None:
+        if override not in ("0.9.1", "main"):
+            raise ValueError(f"{override_name} must be '0.9.1', 'main' or None, got {override!r}")
+        return override
+    body = _verl_util_function(function)
+    return "main" if body and is_main(body) else "0.9.1"
 
 
 def _verl_util_function(name: str) -> str:
@@ -393,14 +401,14 @@ def _verl_util_function(name: str) -> str:
     path = _verl_util_file()
     if path is None:
         return ""
-    text = _RULE_BY_FILE.get(path)
+    text = _UTIL_TEXT_BY_FILE.get(path)
     if text is None:
         try:
             with open(path, encoding="utf-8") as f:
                 text = f.read()
         except OSError:
             text = ""
-        _RULE_BY_FILE[path] = text
+        _UTIL_TEXT_BY_FILE[path] = text
     start = text.find(f"def {name}(")
     if start < 0:
         return ""

@@ -29,7 +29,7 @@ import torch
 
 from .._thd import postprocess_thd, preprocess_thd
 from ..layout import ThdLayout
-from .verl import _mpu, _verl_util_function, postprocess_packed_seqs
+from .verl import _mpu, _verl_rule, postprocess_packed_seqs
 
 __all__ = [
     "build_vlm_attn_mask_bshd",
@@ -287,12 +287,8 @@ def vlm_thd_align_rule() -> str:
     """``"0.9.1"`` or ``"main"`` (see VLM_THD_ALIGN_RULE): whether the in-use verl's
     build_vlm_attn_mask_thd aligns to TP / CP (it names ``align_size``); ``"0.9.1"`` when no verl
     is found."""
-    if VLM_THD_ALIGN_RULE is not None:
-        if VLM_THD_ALIGN_RULE not in ("0.9.1", "main"):
-            raise ValueError(f"VLM_THD_ALIGN_RULE must be '0.9.1', 'main' or None, got {VLM_THD_ALIGN_RULE!r}")
-        return VLM_THD_ALIGN_RULE
-    body = _verl_util_function("build_vlm_attn_mask_thd")
-    return "main" if body and "align_size" not in body else "0.9.1"
+    return _verl_rule("VLM_THD_ALIGN_RULE", VLM_THD_ALIGN_RULE, "build_vlm_attn_mask_thd",
+                      lambda body: "align_size" not in body)
 
 
 def build_vlm_attn_mask_thd(input_ids: torch.Tensor, pad_token_id: int = None):
