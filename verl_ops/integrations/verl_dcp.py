@@ -591,7 +591,7 @@ def postprocess_dynamic_cp_batch(output_lst: list, batch_size: int, dcp_group, i
     if longest > 0:
         if local.numel() < longest:
             local = torch.cat([local, local.new_zeros(longest - local.numel())])
-        if dist.get_backend(dcp_group) == "nccl" or comm_device.type != "cpu":
+        if comm_device.type != "cpu":
             out = torch.empty(world * longest, dtype=torch.uint8, device=comm_device)
             dist.all_gather_into_tensor(out, local, group=dcp_group)
             buffers = list(out.view(world, longest).unbind(0))
