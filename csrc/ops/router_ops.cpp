@@ -224,6 +224,23 @@ RouterScatterCall prepare_router_scatter(const Tensor& routes, const Tensor& cu_
              padded ? "[B, S, L, K] (with attention_mask)" : "[total_tokens, L, K]", ", got shape ",
              st::shape_of(routes));
   check_offset_pair(op, cu_seqlens, cu_seqlens_padded, routes);
+  // The arguments' devices, dtypes and shapes before any value is read: a replay mask on the wrong
+  // device is named as such, whatever else is wrong with the layout's values.
+  if (padded) {
+    VERL_CHECK(st::same_device(*attention_mask, routes), op, ": attention_mask is on ", st::device_of(*attention_mask),
+               " but the data is on ", st::device_of(routes));
+  }
+  if (replay_mask.has_value()) {
+    const Tensor& r = *replay_mask;
+    VERL_CHECK(r.scalar_type() == st::kBool, op, ": replay_mask must be bool, got ", st::dtype_name(r.scalar_type()));
+    VERL_CHECK(st::same_device(r, routes), op, ": replay_mask is on ", st::device_of(r), " but routes are on ",
+               st::device_of(routes));
+    const bool ok = padded ? (r.dim() == 2 && r.size(0) == routes.size(0) && r.size(1) == routes.size(1))
+                           : (r.dim() == 1 && r.size(0) == routes.size(0));
+    VERL_CHECK(ok, op, ": replay_mask must be ", padded ? "[B, S] like attention_mask" : "[total_tokens] like the routes' rows",
+               ", got shape ", st::shape_of(r));
+    call.replay = st::contiguous(r);
+  }
   const int64_t B = cu_seqlens.size(0) - 1;
   call.cu = st::contiguous(cu_seqlens);
   call.cu_padded = st::contiguous(cu_seqlens_padded);
@@ -238,17 +255,6 @@ RouterScatterCall prepare_router_scatter(const Tensor& routes, const Tensor& cu_
   } else {
     VERL_CHECK(!routes.is_cpu() || st::ptr<int32_t>(call.cu)[B] == routes.size(0), op, ": routes has ", routes.size(0),
                " token rows but cu_seqlens[-1] = ", routes.is_cpu() ? st::ptr<int32_t>(call.cu)[B] : 0);
-  }
-  if (replay_mask.has_value()) {
-    const Tensor& r = *replay_mask;
-    VERL_CHECK(r.scalar_type() == st::kBool, op, ": replay_mask must be bool, got ", st::dtype_name(r.scalar_type()));
-    VERL_CHECK(st::same_device(r, routes), op, ": replay_mask is on ", st::device_of(r), " but routes are on ",
-               st::device_of(routes));
-    const bool ok = padded ? (r.dim() == 2 && r.size(0) == routes.size(0) && r.size(1) == routes.size(1))
-                           : (r.dim() == 1 && r.size(0) == routes.size(0));
-    VERL_CHECK(ok, op, ": replay_mask must be ", padded ? "[B, S] like attention_mask" : "[total_tokens] like the routes' rows",
-               ", got shape ", st::shape_of(r));
-    call.replay = st::contiguous(r);
   }
   call.routes = st::contiguous(routes);
   call.num_layers = routes.size(-2);
