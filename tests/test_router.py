@@ -509,6 +509,20 @@ def test_bad_input_scatter(rng):
         OPS.router_topk_scatter(routes, *args, 2, 0, 2, 0, 0, bad)
     with pytest.raises(RuntimeError, match="router_topk_scatter: replay_mask is on meta but routes are on cpu"):
         OPS.router_topk_scatter(vals, *args, 2, 0, 2, 0, 0, None, case.replay.to("meta"))
+    # The masks' devices, dtypes and shapes are checked before any offset is read: with bad layout
+    # values as well, the error names the mask (the GPU fuzzer's case: a replay mask on the GPU
+    # with local_rows off).
+    with pytest.raises(RuntimeError, match="router_topk_scatter: replay_mask is on meta but routes are on cpu"):
+        OPS.router_topk_scatter(vals, layout.cu_seqlens, layout.cu_seqlens_padded, layout.local_rows - 2, 2, 0, 2, 0,
+                                0, None, case.replay.to("meta"))
+    with pytest.raises(RuntimeError, match=r"router_topk_scatter: replay_mask must be \[total_tokens\]"):
+        cu_dec = layout.cu_seqlens.clone()
+        cu_dec[1] = cu_dec[2] + 1
+        OPS.router_topk_scatter(vals, cu_dec, layout.cu_seqlens_padded, layout.local_rows, 2, 0, 2, 0, 0, None,
+                                case.replay[:-1])
+    with pytest.raises(RuntimeError, match="router_topk_scatter: attention_mask is on meta but the data is on cpu"):
+        OPS.router_topk_scatter(routes, layout.cu_seqlens, layout.cu_seqlens_padded, layout.local_rows - 2, 2, 0, 2,
+                                0, 0, mask.to("meta"))
     with pytest.raises(RuntimeError, match="router_topk_scatter: zigzag with cp_size=2 needs every padded length"):
         cu_bad = layout.cu_seqlens_padded.clone()
         cu_bad[1:-1] += 1
