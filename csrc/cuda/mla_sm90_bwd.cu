@@ -349,10 +349,10 @@ __global__ void __launch_bounds__(kThreads, 1)
     // dQ (64 rows) += dS K for block j over the 128 keys, in this warpgroup's 96 columns: once
     // both warpgroups' dS^T of block j are in buffer j & 1 (it runs a block behind, so the two
     // warpgroups need not move in step).
-    auto dq_step = [&](int j) {
+    // (h, q0: block j's query head and first query row, carried over from the main loop's
+    // counters.)
+    auto dq_step = [&](int j, int h, int q0) {
       const int b = __shfl_sync(0xffffffffu, j & 1, 0);
-      const int h = kvh * group + j / nblk;
-      const int q0 = (m_begin + j % nblk) * kBM;
       float qa[32], qb[16];
       const uint64_t ds_a = smem_desc(base + kSmemDS + b * kDSBytes, 16, 1024);  // dS^T as A (MN-major)
       mbar_wait(bar_ds_full(b), (j / 2) & 1);
@@ -395,10 +395,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     };
 
+    // Block i's query block (i % nblk) and head (kvh * group + i / nblk) as counters: a division
+    // per block (~30 instructions, with the dQ step's) sat between one block's last GEMM and the
+    // next one's first.
+    int mi = 0, hcur = kvh * group, prev_h = 0, prev_q0 = 0;
     for (int i = 0; i < blocks; ++i) {
       const int s = __shfl_sync(0xffffffffu, i % kStages, 0);
       const uint32_t phase = (i / kStages) & 1;
-      const int q0 = (m_begin + i % nblk) * kBM;  // the block's first query row (in the sequence)
+      const int q0 = (m_begin + mi) * kBM;  // the block's first query row (in the sequence)
       const int db = __shfl_sync(0xffffffffu, i & 1, 0);  // dS buffer
       const uint32_t ds_base = base + kSmemDS + db * kDSBytes;
       // Whether some key of this warpgroup is seen by some row of the block, and whether every
@@ -428,30 +432,37 @@ __global__ void __launch_bounds__(kThreads, 1)
         // them, so S^T and dP^T are not live at once). Column c of the accumulator is query
         // q0 + c, row kr (kr + 8) key key_a (key_b).
         uint32_t pfrag[4][4];
+        // Two copies of the loop, with and without the mask: one loop with the mask under a
+        // branch per column pair was cut into eight basic blocks (no interleaving of the column
+        // pairs' exp2s), 1-3% slower (RESULTS.md).
+        auto p_loop = [&](auto masked_c) {
+          constexpr bool kMasked = decltype(masked_c)::value;
 #pragma unroll
-        for (int cc = 0; cc < 8; ++cc) {
-          float pv[4];
-          // Both columns' lse2 (and D) in one 16-byte load (half the shared-memory loads of
-          // two 4-byte ones each: +2-5% on the backward, RESULTS.md).
-          const uint4 ldv = lds_v4(ld + (cc * 8 + 2 * (lane % 4)) * 8);
+          for (int cc = 0; cc < 8; ++cc) {
+            float pv[4];
+            // Both columns' lse2 (and D) in one 16-byte load (half the shared-memory loads of
+            // two 4-byte ones each: +2-5% on the backward, RESULTS.md).
+            const uint4 ldv = lds_v4(ld + (cc * 8 + 2 * (lane % 4)) * 8);
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = cc * 8 + 2 * (lane % 4) + e;
-            const float l2 = __uint_as_float(e ? ldv.z : ldv.x);
-            float pa = ex2(fmaf(sacc[4 * cc + e], sl2, -l2));
-            float pb = ex2(fmaf(sacc[4 * cc + 2 + e], sl2, -l2));
-            if (!full) {
-              const int qi = q0 + c;
-              const int lim = p.causal ? min(lk, qi + shift + 1) : lk;
-              if (qi >= lq || key_a >= lim) pa = 0.f;
-              if (qi >= lq || key_b >= lim) pb = 0.f;
+            for (int e = 0; e < 2; ++e) {
+              const int c = cc * 8 + 2 * (lane % 4) + e;
+              const float l2 = __uint_as_float(e ? ldv.z : ldv.x);
+              float pa = ex2(fmaf(sacc[4 * cc + e], sl2, -l2));
+              float pb = ex2(fmaf(sacc[4 * cc + 2 + e], sl2, -l2));
+              if constexpr (kMasked) {
+                const int qi = q0 + c;
+                const int lim = p.causal ? min(lk, qi + shift + 1) : lk;
+                if (qi >= lq || key_a >= lim) pa = 0.f;
+                if (qi >= lq || key_b >= lim) pb = 0.f;
+              }
+              pv[e] = pa;
+              pv[2 + e] = pb;
             }
-            pv[e] = pa;
-            pv[2 + e] = pb;
+            pfrag[cc / 2][(cc % 2) * 2 + 0] = pack2<kHalf>(pv[0], pv[1]);
+            pfrag[cc / 2][(cc % 2) * 2 + 1] = pack2<kHalf>(pv[2], pv[3]);
           }
-          pfrag[cc / 2][(cc % 2) * 2 + 0] = pack2<kHalf>(pv[0], pv[1]);
-          pfrag[cc / 2][(cc % 2) * 2 + 1] = pack2<kHalf>(pv[2], pv[3]);
-        }
+        };
+        if (full) p_loop(std::false_type{}); else p_loop(std::true_type{});
         // dV += P^T dO (B MN-major: 64-column chunks kBM * 128 bytes apart, a k-step of 16
         // query rows 2 KiB on) and dP^T = V dO^T (8 k-steps over 128), issued.
         {
@@ -517,9 +528,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_wait<0>();
       fence_acc(dk);
       mbar_arrive(bar_empty(s));
-      if (i > 0) dq_step(i - 1);
+      if (i > 0) dq_step(i - 1, prev_h, prev_q0);
+      prev_h = hcur;
+      prev_q0 = q0;
+      if (++mi == nblk) {
+        mi = 0;
+        ++hcur;
+      }
     }
-    if (blocks > 0) dq_step(blocks - 1);
+    if (blocks > 0) dq_step(blocks - 1, prev_h, prev_q0);
   }
   // dK * scale and dV of the keys inside the sequence.
   const float scale = p.scale;
