@@ -333,20 +333,24 @@ class _Local:
                 raise ValueError(f"pp_gather: unsupported router map dtype {self.values.dtype}")
             self.dtype_code = _WIRE_DTYPES.index(self.values.dtype)
             self.shape, self.layers, self.batch = tuple(self.values.shape), self.values.shape[1], x.size(0)
+            # its cached min / max length, if any: verl's concatenation keeps rank 0's
+            lo, hi = x._min_seqlen, x._max_seqlen
+            self.cache = (int(lo), int(hi)) if lo is not None and hi is not None else (-1, -1)
         else:
             # verl's own steps (and errors): the uint8 view, then the layer count from dim 2.
             self.kind, self.payload = _DENSE, x.contiguous().view(torch.uint8)
             self.layers = x.shape[2]
             self.dtype_code, self.shape, self.batch = _WIRE_DTYPES.index(torch.uint8), tuple(self.payload.shape), 0
+            self.cache = (-1, -1)
         if len(self.shape) > _MAX_DIMS:
             raise ValueError(f"pp_gather: router maps of at most {_MAX_DIMS} dims are supported, got {x.dim()}")
 
     @staticmethod
     def words(local, error) -> list[int]:
         if error is not None:
-            return [1] + [0] * (5 + _MAX_DIMS)
+            return [1] + [0] * (7 + _MAX_DIMS)
         shape = list(local.shape) + [-1] * (_MAX_DIMS - len(local.shape))
-        return [0, local.kind, local.dtype_code, len(local.shape), local.batch, local.layers, *shape]
+        return [0, local.kind, local.dtype_code, len(local.shape), local.batch, local.layers, *shape, *local.cache]
 
 
 def _exchange_descriptions(local, error, group, world: int, device) -> list[list[int]]:
@@ -477,6 +481,8 @@ def _gather_jagged(local, described, shapes, layers, width, tf_config, vp_size, 
     offsets = blocks[0, : (described[0][3] + 1) * 8].view(torch.int64).to("cpu")
     out = _assemble(blocks[:, head:], rows, width, row_bytes, pieces).to("cpu")
     out = out.view(dtype).view(rows, out.shape[1], *feat)
-    lengths = offsets.diff()
-    cache = {"min_seqlen": int(lengths.min()), "max_seqlen": int(lengths.max())} if lengths.numel() else {}
+    # the min / max length cache of rank 0's map, as verl's concatenation of the gathered maps
+    # (rank 0's first) carries it
+    lo, hi = described[0][5 + _MAX_DIMS : 7 + _MAX_DIMS]
+    cache = {"min_seqlen": lo, "max_seqlen": hi} if lo >= 0 and hi >= 0 else {}
     return torch.nested.nested_tensor_from_jagged(out, offsets, **cache)
