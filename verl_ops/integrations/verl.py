@@ -158,7 +158,7 @@ def _cp_partition_args(cp_layout: str, cp_size: int, cls=None) -> dict:
     if cp_layout != "zigzag" and cp_size > 1:
         raise ValueError(
             f"cp_layout={cp_layout!r} requires PackedSeqParams.cp_partition_mode, which this "
-            "megatron-core version does not provide. Upgrade megatron-core or use the zigzag layout."
+            "Megatron-core version does not provide. Upgrade Megatron-core or use the zigzag layout."
         )
     return {}
 
@@ -528,6 +528,9 @@ def preprocess_thd_engine(
     else:
         cp_size = mpu.get_context_parallel_world_size()
         cp_rank = mpu.get_context_parallel_rank()
+    if pad_to_length_bucket is not None and pad_to_length_bucket <= 0:
+        # verl's check and words, before its cp_partition_mode one
+        raise ValueError("pad_to_length_bucket must be a positive integer")
     psp_cls = _packed_seq_params_cls()
     extra.update(_cp_partition_args(cp_layout, cp_size, psp_cls))
     # One host read of the offsets; the layout op checks them and computes every size at once.

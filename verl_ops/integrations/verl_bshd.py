@@ -19,6 +19,15 @@ from ``megatron.core.parallel_state`` as in verl (imported lazily).
 
 Not reproduced: verl's Ascend-NPU branches (``is_npu_available``: a ``[B, 1, S, S]`` attention
 mask for ``npu_fusion_attention``); these drop-ins always take verl's GPU/CPU path.
+
+Where verl's result on bad input is torch's own error or a silent loss, the drop-ins raise their
+own error instead (minimal cases in tests/test_verl_diff_fuzz.py, ``REASONS``):
+``preprocess_bshd_engine`` with a ``forced_max_seqlen`` below the longest aligned sequence raises a
+``ValueError`` (verl raises a shape ``RuntimeError`` at cp == 1 and drops the tokens past it at
+cp > 1); ``postprocess_bshd`` with an original mask whose rows hold other token counts, or of
+another width than ``origin_seqlen``, raises a ``RuntimeError`` naming it (verl: torch's
+``RuntimeError`` / ``IndexError``); 0/1 integer masks are read as bool masks (verl indexes with
+them as integer indices).
 """
 
 from __future__ import annotations
