@@ -1002,7 +1002,7 @@ def test_pp_gather_nested_metadata(thread_dist):
 
 
 # Was a mismatch (fixed): layers recorded in different integer dtypes (int64 and int16) were refused;
-# verl's stack promotes them, and so does the drop-in now.
+# verl converts each to int16 before stacking; the drop-in now brings them to one dtype first.
 def test_merge_router_topk_indices_mixed_dtypes(router_env):
     cfg, util, fns, vr = router_env
     cfg.tp, cfg.cp, cfg.cp_rank = 1, 1, 0

@@ -168,7 +168,8 @@ def merge_router_topk_indices(
     device = _first_device(layers_topk_idx)
     if isinstance(layers_topk_idx, (list, tuple)) and len({t.dtype for t in layers_topk_idx
                                                            if isinstance(t, torch.Tensor)}) > 1:
-        # layers recorded in different integer dtypes: verl's stack promotes them to one
+        # layers recorded in different integer dtypes (verl converts each to int16 before its stack):
+        # one common dtype here, which the op stores as int16
         common = functools.reduce(torch.promote_types, [t.dtype for t in layers_topk_idx])
         layers_topk_idx = [t.to(common) for t in layers_topk_idx]
     if isinstance(input_ids, torch.Tensor) and input_ids.is_nested:
