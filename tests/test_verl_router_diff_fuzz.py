@@ -887,8 +887,8 @@ def _same(ours, theirs, *, cache=False):
 # Was a mismatch (fixed): local_padding_mask: a negative sequence length takes the process down
 # (repeat_interleave with output_size= and a negative repeat corrupts the heap: 'free(): invalid pointer',
 # SIGSEGV/ SIGABRT); verl raises RuntimeError('Trying to create tensor with negative dimension -1: [-1]')
-def test_local_padding_mask_negative_length():
-    # in a subprocess: ours does not raise, it crashes the interpreter
+def test_local_padding_mask_negative_length(v_r3):
+    # in a subprocess: ours did not raise, it crashed the interpreter
     code = (
         "import sys; sys.path.insert(0, %r)\n"
         "import verl_stubs\n"
@@ -908,6 +908,19 @@ def test_local_padding_mask_negative_length():
     if got[0][1] and got[0][1][0].startswith("ERR LookupError"):
         pytest.skip("verl's _local_padding_mask is not available")
     assert got[1] == got[0], f"ours (exit status, last line) {got[1]} / verl {got[0]}"
+
+
+def test_local_padding_mask_negative_length_does_not_crash():
+    # (without verl too: the drop-in raises, in a child process in case it does not)
+    code = ("from verl_ops.integrations import verl_r3 as r3\n"
+            "try:\n"
+            "    r3.local_padding_mask([-1, 1], cp_size=1, cp_rank=0, tp_size=1)\n"
+            "    print('OK')\n"
+            "except RuntimeError as e:\n"
+            "    print('ERR', e)\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0 and p.stdout.strip() == "ERR Trying to create tensor with negative dimension -1: [-1]", \
+        (p.returncode, p.stdout, p.stderr[-500:])
 
 
 # Was a mismatch (fixed): local_padding_mask, contiguous layout, cp_rank outside [0, cp_size): ours
