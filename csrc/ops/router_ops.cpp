@@ -35,12 +35,17 @@ core::IndexDtype require_index_dtype(const char* op, const char* name, st::Scala
   return d;
 }
 
+// `name` on the data's device (the one device check of the offsets and the masks).
+void check_on_data_device(const char* op, const char* name, const Tensor& t, const Tensor& data) {
+  VERL_CHECK(st::same_device(t, data), op, ": ", name, " is on ", st::device_of(t), " but the data is on ",
+             st::device_of(data));
+}
+
 void check_offsets(const char* op, const char* name, const Tensor& t, const Tensor& data) {
   VERL_CHECK(t.scalar_type() == st::kInt, op, ": ", name, " must be int32, got ", st::dtype_name(t.scalar_type()));
   VERL_CHECK(t.dim() == 1 && t.size(0) >= 1, op, ": ", name, " must be 1-D with B + 1 >= 1 entries, got shape ",
              st::shape_of(t));
-  VERL_CHECK(st::same_device(t, data), op, ": ", name, " is on ", st::device_of(t), " but the data is on ",
-             st::device_of(data));
+  check_on_data_device(op, name, t, data);
 }
 
 void check_offset_pair(const char* op, const Tensor& cu, const Tensor& cu_padded, const Tensor& data) {
@@ -78,8 +83,7 @@ Tensor mask_csum_of(const char* op, const Tensor& mask, int64_t batch, const Ten
   VERL_CHECK(mask.scalar_type() == st::kBool, op, ": attention_mask must be bool, got ",
              st::dtype_name(mask.scalar_type()));
   VERL_CHECK(mask.dim() == 2, op, ": attention_mask must be [B, S], got shape ", st::shape_of(mask));
-  VERL_CHECK(st::same_device(mask, data), op, ": attention_mask is on ", st::device_of(mask), " but the data is on ",
-             st::device_of(data));
+  check_on_data_device(op, "attention_mask", mask, data);
   VERL_CHECK(mask.size(0) == batch, op, ": attention_mask has ", mask.size(0), " rows but the layout has ", batch,
              " sequences");
   Tensor csum = st::cumsum_int32(mask);
@@ -226,10 +230,7 @@ RouterScatterCall prepare_router_scatter(const Tensor& routes, const Tensor& cu_
   check_offset_pair(op, cu_seqlens, cu_seqlens_padded, routes);
   // The arguments' devices, dtypes and shapes before any value is read: a replay mask on the wrong
   // device is named as such, whatever else is wrong with the layout's values.
-  if (padded) {
-    VERL_CHECK(st::same_device(*attention_mask, routes), op, ": attention_mask is on ", st::device_of(*attention_mask),
-               " but the data is on ", st::device_of(routes));
-  }
+  if (padded) check_on_data_device(op, "attention_mask", *attention_mask, routes);
   if (replay_mask.has_value()) {
     const Tensor& r = *replay_mask;
     VERL_CHECK(r.scalar_type() == st::kBool, op, ": replay_mask must be bool, got ", st::dtype_name(r.scalar_type()));
