@@ -298,16 +298,7 @@ def _rank_setup(pp_world, vp_split, device_name="cpu"):
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = [dist.new_group(list(range(s, s + pp_world))) for s in range(0, world, pp_world)]
     group = groups[rank // pp_world]
-    # (a stand-in parallel_state unless megatron-core is already imported: importing it costs each
-    # rank seconds, and pp_gather reads nothing else from it)
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is None:
-        ps = types.ModuleType("megatron.core.parallel_state")
-        sys.modules.setdefault("megatron", types.ModuleType("megatron"))
-        sys.modules.setdefault("megatron.core", types.ModuleType("megatron.core"))
-        sys.modules["megatron.core"].parallel_state = ps
-        sys.modules["megatron.core.parallel_state"] = ps
-    ps.get_pipeline_model_parallel_group = lambda: group
+    verl_stubs.stand_in_pipeline_group(group)
     owner = types.ModuleType(OWNER)
     owner.get_moe_num_layers_to_build = lambda cfg, vp, pp_rank: vp_split[pp_rank][vp]
     sys.modules[OWNER] = owner

@@ -641,14 +641,7 @@ def check_pp_gather_gloo(rank, world_size, backend, seed, cases):
     import torch.distributed as dist
 
     group = dist.new_group(list(range(world_size)))
-    ps = sys.modules.get("megatron.core.parallel_state")
-    if ps is None:  # a stand-in: pp_gather reads only the pipeline group from it
-        ps = types.ModuleType("megatron.core.parallel_state")
-        sys.modules.setdefault("megatron", types.ModuleType("megatron"))
-        sys.modules.setdefault("megatron.core", types.ModuleType("megatron.core"))
-        sys.modules["megatron.core"].parallel_state = ps
-        sys.modules["megatron.core.parallel_state"] = ps
-    ps.get_pipeline_model_parallel_group = lambda: group
+    verl_stubs.stand_in_pipeline_group(group)
     owner = types.ModuleType(OWNER)
     owner.get_moe_num_layers_to_build = _moe_layers
     sys.modules[OWNER] = owner

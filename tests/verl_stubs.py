@@ -119,6 +119,20 @@ def fake_all_gather(shards, rank: int, calls: list | None = None):
     return all_gather
 
 
+def stand_in_pipeline_group(group):
+    """Points ``megatron.core.parallel_state.get_pipeline_model_parallel_group`` at ``group``: on
+    megatron-core's module if it is already imported, else on a bare stand-in module (importing
+    megatron-core costs each rank seconds, and pp_gather reads nothing else from it)."""
+    ps = sys.modules.get("megatron.core.parallel_state")
+    if ps is None:
+        ps = types.ModuleType("megatron.core.parallel_state")
+        sys.modules.setdefault("megatron", types.ModuleType("megatron"))
+        sys.modules.setdefault("megatron.core", types.ModuleType("megatron.core"))
+        sys.modules["megatron.core"].parallel_state = ps
+        sys.modules["megatron.core.parallel_state"] = ps
+    ps.get_pipeline_model_parallel_group = lambda: group
+
+
 def _verl_root() -> str:
     """The installed verl package's directory (or that of load_verl_util's stand-in package)."""
     loaded = sys.modules.get("verl")
