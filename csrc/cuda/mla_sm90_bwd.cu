@@ -103,21 +103,6 @@ __device__ __forceinline__ float2 unpack2(uint32_t x) {
   }
 }
 
-// The element-wise product of two packed 16-bit pairs.
-template <bool kHalf>
-__device__ __forceinline__ uint32_t mul2(uint32_t a, uint32_t b) {
-  uint32_t r;
-  if constexpr (kHalf) {
-    const __half2 h = __hmul2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
-    r = *reinterpret_cast<const uint32_t*>(&h);
-  } else {
-    const __nv_bfloat162 h =
-        __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
-    r = *reinterpret_cast<const uint32_t*>(&h);
-  }
-  return r;
-}
-
 // A vector reduction of four floats (16 bytes, aligned; RED.E.ADD.F32x4 on sm_90: the result is
 // unused). The float4 overload of atomicAdd exists from sm_90 on; the kernel that calls this is
 // compiled for sm_90a only.
@@ -447,9 +432,10 @@ __global__ void __launch_bounds__(kThreads, 1)
         // them, so S^T and dP^T are not live at once). Column c of the accumulator is query
         // q0 + c, row kr (kr + 8) key key_a (key_b).
         uint32_t pfrag[4][4];
-        // Two copies of the loop, with and without the mask: one loop with the mask under a
-        // branch per column pair was cut into eight basic blocks (no interleaving of the column
-        // pairs' exp2s), 1-3% slower (RESULTS.md).
+        // Three copies of the loop: unmasked, masked causal, masked non-causal. One loop with the
+        // mask under a branch per column pair was cut into eight basic blocks (no interleaving
+        // of the column pairs' exp2s), 1-3% slower; the masked copy split by p.causal too (ptxas
+        // tested it per column pair) +1-5% more (RESULTS.md).
         auto p_loop = [&](auto masked_c, auto causal_c) {
           constexpr bool kMasked = decltype(masked_c)::value;
 #pragma unroll
@@ -466,11 +452,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               float pb = ex2(fmaf(sacc[4 * cc + 2 + e], sl2, -l2));
               if constexpr (kMasked) {
                 const int qi = q0 + c;
-#if defined(VERL_OPS_SM90_BWD_CAUSAL_COPY)
                 const int lim = decltype(causal_c)::value ? min(lk, qi + shift + 1) : lk;
-#else
-                const int lim = p.causal ? min(lk, qi + shift + 1) : lk;
-#endif
                 if (qi >= lq || key_a >= lim) pa = 0.f;
                 if (qi >= lq || key_b >= lim) pb = 0.f;
               }
@@ -481,18 +463,12 @@ __global__ void __launch_bounds__(kThreads, 1)
             pfrag[cc / 2][(cc % 2) * 2 + 1] = pack2<kHalf>(pv[2], pv[3]);
           }
         };
-#if defined(VERL_OPS_SM90_BWD_CAUSAL_COPY)
-        // (candidate, not measured: the masked copy also split by p.causal, which ptxas tests
-        // with a branch per column pair otherwise)
         if (full)
           p_loop(std::false_type{}, std::false_type{});
         else if (p.causal)
           p_loop(std::true_type{}, std::true_type{});
         else
           p_loop(std::true_type{}, std::false_type{});
-#else
-        if (full) p_loop(std::false_type{}, std::false_type{}); else p_loop(std::true_type{}, std::false_type{});
-#endif
         // dV += P^T dO (B MN-major: 64-column chunks kBM * 128 bytes apart, a k-step of 16
         // query rows 2 KiB on) and dP^T = V dO^T (8 k-steps over 128), issued.
         {
@@ -519,16 +495,9 @@ __global__ void __launch_bounds__(kThreads, 1)
           const float d0 = __uint_as_float(ldv.y), d1 = __uint_as_float(ldv.w);
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-#if defined(VERL_OPS_SM90_BWD_DS_PACKED)
-            // (candidate, not measured: dP - D rounded to 16 bits and multiplied by P as a
-            // packed pair; no unpack of P, half the multiplies, one more rounding)
-            dsfrag[cc / 2][(cc % 2) * 2 + r] = mul2<kHalf>(
-                pfrag[cc / 2][(cc % 2) * 2 + r], pack2<kHalf>(dpacc[4 * cc + 2 * r] - d0, dpacc[4 * cc + 2 * r + 1] - d1));
-#else
             const float2 pr = unpack2<kHalf>(pfrag[cc / 2][(cc % 2) * 2 + r]);
             dsfrag[cc / 2][(cc % 2) * 2 + r] =
                 pack2<kHalf>(pr.x * (dpacc[4 * cc + 2 * r] - d0), pr.y * (dpacc[4 * cc + 2 * r + 1] - d1));
-#endif
           }
         }
         // dK += dS^T Q (B MN-major), issued.
