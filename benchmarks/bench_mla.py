@@ -46,6 +46,7 @@ import math
 import os
 import random
 import shlex
+import statistics
 import sys
 import traceback
 
@@ -212,7 +213,7 @@ def reference_tail(q, k, v, s0, seqlen, scale, rows=128):
     return (scores.softmax(-1) @ vs).transpose(0, 1)
 
 
-def run_batch(label, lengths, heads, reps, floor, gen, only=None):
+def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False):
     t = sum(lengths)
     scale = 1.0 / math.sqrt(DQK)
     q = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -264,8 +265,32 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None):
             if os.environ.get("BENCH_MLA_TRACE"):
                 traceback.print_exc()
         rows.append(row)
-        print(fmt_row(label, row, floor), flush=True)
+        if not quiet:
+            print(fmt_row(label, row, floor), flush=True)
     return rows
+
+
+def merge_rounds(rounds, f_fwd, f_all):
+    """One row per method from several rounds of run_batch (the methods interleaved within each
+    round, so that a drift of the GPU's clocks over the run hits them alike): the median of the
+    rounds' median times; a method that failed in any round keeps that round's error."""
+    merged = []
+    for i, first in enumerate(rounds[0]):
+        same = [r[i] for r in rounds]
+        bad = [r for r in same if "error" in r]
+        if bad:
+            merged.append(bad[0])
+            continue
+        row = dict(first)
+        row["fwd_s"] = statistics.median(r["fwd_s"] for r in same)
+        row["fwd_tflops"] = f_fwd / row["fwd_s"] / 1e12
+        row["fwd_spread"] = max(r["fwd_s"] for r in same) / min(r["fwd_s"] for r in same)
+        if all("all_s" in r for r in same):
+            row["all_s"] = statistics.median(r["all_s"] for r in same)
+            row["all_tflops"] = f_all / row["all_s"] / 1e12
+            row["all_spread"] = max(r["all_s"] for r in same) / min(r["all_s"] for r in same)
+        merged.append(row)
+    return merged
 
 
 def fmt_row(shape, r, floor):
@@ -341,6 +366,7 @@ def parse_markdown(path):
     """(results, floor) from a markdown section this script wrote (to re-plot saved numbers)."""
     results, floor = [], None
     for line in open(path):
+        line = line.split("<!--")[0].rstrip()  # a row's spread over rounds, if any
         if "matmul floor" in line:
             floor = float(line.split(":")[-1].split()[0])
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -365,6 +391,9 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
     p.add_argument("--replot", default=None, help="only re-plot a markdown section written by --out")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every method this many times per batch, the methods interleaved, and report "
+                        "the median round (default 1)")
     p.add_argument("--methods", default=None,
                    help="comma-separated subset of the methods (e.g. 'ours varlen,fa4 varlen'; default all)")
     args = p.parse_args(argv)
@@ -395,7 +424,16 @@ def main(argv=None):
     print("\n".join(HEADER))
     results = []
     for label, lengths, heads in todo:
-        rows = run_batch(label, lengths, heads, reps, floor, gen, only)
+        if args.rounds > 1:
+            rounds = [run_batch(label, lengths, heads, reps, floor, gen, only, quiet=True)
+                      for _ in range(args.rounds)]
+            rows = merge_rounds(rounds, *flops(lengths, heads))
+            for r in rows:
+                spread = "".join(f", {k[:-7]} spread {r[k]:.3f}" for k in ("fwd_spread", "all_spread") if k in r)
+                print(fmt_row(label, r, floor) + (f" <!-- {args.rounds} rounds{spread} -->" if spread else ""),
+                      flush=True)
+        else:
+            rows = run_batch(label, lengths, heads, reps, floor, gen, only)
         results.append((label, rows))
     print(f"varlen plan cache: {verl_ops.mla_cache_info()}")
     lines = summary(results)
@@ -406,6 +444,9 @@ def main(argv=None):
             f.write(f"- date: {datetime.date.today()}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}\n")
             f.write(f"- command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`\n")
             f.write(f"- bf16 matmul floor (8192^3, same run): {floor:.0f} TFLOP/s\n")
+            if args.rounds > 1:
+                f.write(f"- {args.rounds} rounds per batch, the methods interleaved; each time is the median round's "
+                        "(max / min of the rounds after the row)\n")
             f.write(f"- varlen sequence order: {os.environ.get('VERL_OPS_VARLEN_ORDER', 'largest_first')}\n")
             for label, lengths, heads in todo:
                 if len(set(lengths)) > 1:
@@ -414,7 +455,8 @@ def main(argv=None):
             f.write("\n".join(HEADER) + "\n")
             for shape, rows in results:
                 for r in rows:
-                    f.write(fmt_row(shape, r, floor) + "\n")
+                    spread = "".join(f", {k[:-7]} {r[k]:.3f}" for k in ("fwd_spread", "all_spread") if k in r)
+                    f.write(fmt_row(shape, r, floor) + (f" <!-- spread{spread[1:]} -->" if spread else "") + "\n")
             f.write("\n" + "\n".join(lines) + "\n")
     if args.plot:
         plot(results, floor, args.plot)

@@ -7,6 +7,7 @@
 # so that the whole script stays within DEADLINE seconds (default 420). Logs and results go to
 # ${OUT:-./gpu_out}. STEPS picks steps (default "build smoke tests sanitizer bench"; the build is
 # incremental, so e.g. STEPS="build bench" in a second call on a warm machine only benchmarks).
+# BENCH_ARGS passes more arguments to bench_mla.py (e.g. "--rounds 3").
 #
 # The frontend's headers come from .cudnn_fe/include (a copy of the nvidia-cudnn-frontend
 # package's include dir, plus cudnn.h in case the machine's nvidia-cudnn package has no headers).
@@ -144,9 +145,10 @@ else
   FA4_PATH=""; echo "no /tmp/fa4 (run benchmarks/fa4_setup.sh first for the FlashAttention-4 column)"
 fi
 PLOT=()
+eval "EXTRA=(${BENCH_ARGS:-})"  # shell words, so quoted method names with spaces stay one argument
 python3 -c "import matplotlib" 2>/dev/null && PLOT=(--plot "$OUT/mla.png")
 PYTHONPATH="$PYTHONPATH${FA4_PATH:+:$FA4_PATH}" timeout "$(cap 400)" python3 benchmarks/bench_mla.py \
-  --batches "${BENCH_BATCHES:-all}" --reps "${BENCH_REPS:-10}" --out "$OUT/results_mla.md" "${PLOT[@]}" \
+  --batches "${BENCH_BATCHES:-all}" --reps "${BENCH_REPS:-10}" --out "$OUT/results_mla.md" "${PLOT[@]}" "${EXTRA[@]}" \
   > "$OUT/bench_mla.log" 2>&1; echo "rc=$?"
 grep -vE "^\s*$" "$OUT/bench_mla.log" | tail -${BENCH_TAIL:-80}
 echo "bench: $(( $(date +%s) - t0 )) s"
