@@ -213,7 +213,7 @@ def reference_tail(q, k, v, s0, seqlen, scale, rows=128):
     return (scores.softmax(-1) @ vs).transpose(0, 1)
 
 
-def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False):
+def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, rotate=0):
     t = sum(lengths)
     scale = 1.0 / math.sqrt(DQK)
     q = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -228,9 +228,13 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False):
     ref_end = starts[longest] + lengths[longest]
     f_fwd, f_all = flops(lengths, heads)
     rows = []
-    for name, (fn, rep_cap) in make_methods(lengths, heads, cu, scale).items():
-        if only is not None and name not in only:
-            continue
+    todo = [(name, m) for name, m in make_methods(lengths, heads, cu, scale).items() if only is None or name in only]
+    # rotate: start this round at another method, so that no method always follows the same one
+    # (a long fwd+bwd before a method lowers the clocks it runs at: power, not the kernels).
+    if todo:
+        rotate %= len(todo)
+        todo = todo[rotate:] + todo[:rotate]
+    for name, (fn, rep_cap) in todo:
         n = min(reps, rep_cap) if rep_cap else reps
         row = {"method": name}
         try:
@@ -272,11 +276,12 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False):
 
 def merge_rounds(rounds, f_fwd, f_all):
     """One row per method from several rounds of run_batch (the methods interleaved within each
-    round, so that a drift of the GPU's clocks over the run hits them alike): the median of the
-    rounds' median times; a method that failed in any round keeps that round's error."""
+    round and each round starting at another method, so that a drift of the GPU's clocks over the
+    run hits them alike): the median of the rounds' median times; a method that failed in any
+    round keeps that round's error."""
     merged = []
-    for i, first in enumerate(rounds[0]):
-        same = [r[i] for r in rounds]
+    for first in rounds[0]:
+        same = [row for rows in rounds for row in rows if row["method"] == first["method"]]
         bad = [r for r in same if "error" in r]
         if bad:
             merged.append(bad[0])
@@ -392,8 +397,8 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
     p.add_argument("--replot", default=None, help="only re-plot a markdown section written by --out")
     p.add_argument("--rounds", type=int, default=1,
-                   help="time every method this many times per batch, the methods interleaved, and report "
-                        "the median round (default 1)")
+                   help="time every method this many times per batch, the methods interleaved (each round "
+                        "starting at the next method), and report the median round (default 1)")
     p.add_argument("--methods", default=None,
                    help="comma-separated subset of the methods (e.g. 'ours varlen,fa4 varlen'; default all)")
     args = p.parse_args(argv)
@@ -425,9 +430,10 @@ def main(argv=None):
     results = []
     for label, lengths, heads in todo:
         if args.rounds > 1:
-            rounds = [run_batch(label, lengths, heads, reps, floor, gen, only, quiet=True)
-                      for _ in range(args.rounds)]
-            rows = merge_rounds(rounds, *flops(lengths, heads))
+            rounds = [run_batch(label, lengths, heads, reps, floor, gen, only, quiet=True, rotate=r)
+                      for r in range(args.rounds)]
+            order = {m: i for i, m in enumerate(make_methods(lengths, heads, None, 1.0))}
+            rows = sorted(merge_rounds(rounds, *flops(lengths, heads)), key=lambda r: order.get(r["method"], 0))
             for r in rows:
                 spread = "".join(f", {k[:-7]} spread {r[k]:.3f}" for k in ("fwd_spread", "all_spread") if k in r)
                 print(fmt_row(label, r, floor) + (f" <!-- {args.rounds} rounds{spread} -->" if spread else ""),
