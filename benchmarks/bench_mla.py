@@ -213,7 +213,7 @@ def reference_tail(q, k, v, s0, seqlen, scale, rows=128):
     return (scores.softmax(-1) @ vs).transpose(0, 1)
 
 
-def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, rotate=0):
+def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, shuffle=0):
     t = sum(lengths)
     scale = 1.0 / math.sqrt(DQK)
     q = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -229,11 +229,12 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, r
     f_fwd, f_all = flops(lengths, heads)
     rows = []
     todo = [(name, m) for name, m in make_methods(lengths, heads, cu, scale).items() if only is None or name in only]
-    # rotate: start this round at another method, so that no method always follows the same one
-    # (a long fwd+bwd before a method lowers the clocks it runs at: power, not the kernels).
-    if todo:
-        rotate %= len(todo)
-        todo = todo[rotate:] + todo[:rotate]
+    # Rounds after the first run the methods in a shuffled order (seeded by the round), so that no
+    # method always follows the same one: a long high-power fwd+bwd before a method lowers the
+    # clocks that method's forward runs at (measured: a fixed order put one backend's forward
+    # 6-11% behind the same kernels timed alone).
+    if shuffle:
+        random.Random(shuffle).shuffle(todo)
     for name, (fn, rep_cap) in todo:
         n = min(reps, rep_cap) if rep_cap else reps
         row = {"method": name}
@@ -276,7 +277,7 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, r
 
 def merge_rounds(rounds, f_fwd, f_all):
     """One row per method from several rounds of run_batch (the methods interleaved within each
-    round and each round starting at another method, so that a drift of the GPU's clocks over the
+    round, in another order each round, so that a drift of the GPU's clocks over the
     run hits them alike): the median of the rounds' median times; a method that failed in any
     round keeps that round's error."""
     merged = []
@@ -397,8 +398,8 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
     p.add_argument("--replot", default=None, help="only re-plot a markdown section written by --out")
     p.add_argument("--rounds", type=int, default=1,
-                   help="time every method this many times per batch, the methods interleaved (each round "
-                        "starting at the next method), and report the median round (default 1)")
+                   help="time every method this many times per batch, the methods interleaved (in a shuffled "
+                        "order after the first round), and report the median round (default 1)")
     p.add_argument("--methods", default=None,
                    help="comma-separated subset of the methods (e.g. 'ours varlen,fa4 varlen'; default all)")
     args = p.parse_args(argv)
@@ -430,7 +431,7 @@ def main(argv=None):
     results = []
     for label, lengths, heads in todo:
         if args.rounds > 1:
-            rounds = [run_batch(label, lengths, heads, reps, floor, gen, only, quiet=True, rotate=r)
+            rounds = [run_batch(label, lengths, heads, reps, floor, gen, only, quiet=True, shuffle=r)
                       for r in range(args.rounds)]
             order = {m: i for i, m in enumerate(make_methods(lengths, heads, None, 1.0))}
             rows = sorted(merge_rounds(rounds, *flops(lengths, heads)), key=lambda r: order.get(r["method"], 0))
@@ -451,7 +452,7 @@ def main(argv=None):
             f.write(f"- command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`\n")
             f.write(f"- bf16 matmul floor (8192^3, same run): {floor:.0f} TFLOP/s\n")
             if args.rounds > 1:
-                f.write(f"- {args.rounds} rounds per batch, the methods interleaved; each time is the median round's "
+                f.write(f"- {args.rounds} rounds per batch, the methods interleaved (shuffled after the first round); each time is the median round's "
                         "(max / min of the rounds after the row)\n")
             f.write(f"- varlen sequence order: {os.environ.get('VERL_OPS_VARLEN_ORDER', 'largest_first')}\n")
             for label, lengths, heads in todo:
