@@ -48,6 +48,7 @@ import random
 import shlex
 import statistics
 import sys
+import time
 import traceback
 
 import torch
@@ -213,7 +214,7 @@ def reference_tail(q, k, v, s0, seqlen, scale, rows=128):
     return (scores.softmax(-1) @ vs).transpose(0, 1)
 
 
-def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, shuffle=0):
+def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, reverse=False, cooldown=0.0):
     t = sum(lengths)
     scale = 1.0 / math.sqrt(DQK)
     q = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -229,12 +230,13 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, s
     f_fwd, f_all = flops(lengths, heads)
     rows = []
     todo = [(name, m) for name, m in make_methods(lengths, heads, cu, scale).items() if only is None or name in only]
-    # Rounds after the first run the methods in a shuffled order (seeded by the round), so that no
-    # method always follows the same one: a long high-power fwd+bwd before a method lowers the
-    # clocks that method's forward runs at (measured: a fixed order put one backend's forward
-    # 6-11% behind the same kernels timed alone).
-    if shuffle:
-        random.Random(shuffle).shuffle(todo)
+    # Odd rounds run the methods in reverse order, so that no method always follows the same one:
+    # a long high-power fwd+bwd before a method lowers the clocks that method's forward runs at
+    # (measured: a fixed order put one backend's forward 6-11% behind the same kernels timed
+    # alone). `cooldown` seconds of idle GPU before each timing start every method from the same
+    # clocks.
+    if reverse:
+        todo.reverse()
     for name, (fn, rep_cap) in todo:
         n = min(reps, rep_cap) if rep_cap else reps
         row = {"method": name}
@@ -248,6 +250,8 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, s
             row["rel_err"] = err
             if not err < 2e-2:
                 raise RuntimeError(f"output mismatch: relative error {err:.3g}")
+            if cooldown:
+                time.sleep(cooldown)
             with torch.no_grad():
                 row["fwd_s"] = time_cuda(lambda: fn(q, k, v), n, warmup=1 if rep_cap else 3)
             qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
@@ -260,6 +264,8 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, s
 
             row["fwd_tflops"] = f_fwd / row["fwd_s"] / 1e12
             try:
+                if cooldown:
+                    time.sleep(cooldown)
                 row["all_s"] = time_cuda(fwd_bwd, n, warmup=1 if rep_cap else 3)
                 row["all_tflops"] = f_all / row["all_s"] / 1e12
             except Exception as e:  # forward works, backward does not: report both
@@ -277,7 +283,7 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, s
 
 def merge_rounds(rounds, f_fwd, f_all):
     """One row per method from several rounds of run_batch (the methods interleaved within each
-    round, in another order each round, so that a drift of the GPU's clocks over the
+    round, in reverse order every other round, so that a drift of the GPU's clocks over the
     run hits them alike): the median of the rounds' median times; a method that failed in any
     round keeps that round's error."""
     merged = []
@@ -398,8 +404,10 @@ def main(argv=None):
     p.add_argument("--plot", default=None, help="write a PNG bar chart here (needs matplotlib)")
     p.add_argument("--replot", default=None, help="only re-plot a markdown section written by --out")
     p.add_argument("--rounds", type=int, default=1,
-                   help="time every method this many times per batch, the methods interleaved (in a shuffled "
-                        "order after the first round), and report the median round (default 1)")
+                   help="time every method this many times per batch, the methods interleaved (in reverse "
+                        "order every other round), and report the median round (default 1)")
+    p.add_argument("--cooldown", type=float, default=0.0,
+                   help="seconds of idle GPU before each timing (same starting clocks for every method)")
     p.add_argument("--methods", default=None,
                    help="comma-separated subset of the methods (e.g. 'ours varlen,fa4 varlen'; default all)")
     args = p.parse_args(argv)
@@ -431,7 +439,8 @@ def main(argv=None):
     results = []
     for label, lengths, heads in todo:
         if args.rounds > 1:
-            rounds = [run_batch(label, lengths, heads, reps, floor, gen, only, quiet=True, shuffle=r)
+            rounds = [run_batch(label, lengths, heads, reps, floor, gen, only, quiet=True, reverse=r % 2 == 1,
+                                cooldown=args.cooldown)
                       for r in range(args.rounds)]
             order = {m: i for i, m in enumerate(make_methods(lengths, heads, None, 1.0))}
             rows = sorted(merge_rounds(rounds, *flops(lengths, heads)), key=lambda r: order.get(r["method"], 0))
@@ -440,7 +449,7 @@ def main(argv=None):
                 print(fmt_row(label, r, floor) + (f" <!-- {args.rounds} rounds{spread} -->" if spread else ""),
                       flush=True)
         else:
-            rows = run_batch(label, lengths, heads, reps, floor, gen, only)
+            rows = run_batch(label, lengths, heads, reps, floor, gen, only, cooldown=args.cooldown)
         results.append((label, rows))
     print(f"varlen plan cache: {verl_ops.mla_cache_info()}")
     lines = summary(results)
@@ -452,7 +461,8 @@ def main(argv=None):
             f.write(f"- command: `python {' '.join(shlex.quote(a) for a in sys.argv)}`\n")
             f.write(f"- bf16 matmul floor (8192^3, same run): {floor:.0f} TFLOP/s\n")
             if args.rounds > 1:
-                f.write(f"- {args.rounds} rounds per batch, the methods interleaved (shuffled after the first round); each time is the median round's "
+                f.write(f"- {args.rounds} rounds per batch, the methods interleaved (reversed every other round), "
+                        f"{args.cooldown:g} s idle before each timing; each time is the median round's "
                         "(max / min of the rounds after the row)\n")
             f.write(f"- varlen sequence order: {os.environ.get('VERL_OPS_VARLEN_ORDER', 'largest_first')}\n")
             for label, lengths, heads in todo:
