@@ -91,7 +91,11 @@ __device__ __forceinline__ void wgmma_wait() {
 // address field plus the offset (shared addresses stay below 2^18, so it never carries into the
 // leading-byte-offset field); the high word (stride, swizzle) is shared.
 __device__ __forceinline__ uint64_t desc_at(uint64_t d0, uint32_t off16) {
+#if defined(VERL_OPS_SM90_DESC_ADD64)
+  return d0 + off16;
+#else
   return (d0 & 0xFFFFFFFF00000000ull) | static_cast<uint32_t>(static_cast<uint32_t>(d0) + off16);
+#endif
 }
 
 

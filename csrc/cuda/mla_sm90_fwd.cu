@@ -315,7 +315,12 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int s = __shfl_sync(0xffffffffu, stage, 0);  // warp-uniform (see warp_group)
     // One descriptor per operand, the k-steps as constant offsets of its address field (in 16 B
     // units; shared addresses stay below 2^18, so the field never carries into the next one).
+#if defined(VERL_OPS_SM90_Q_UNIFORM)
+    // (candidate: Q's base through a shuffle here too, so that its descriptors are uniform)
+    const uint64_t dq = smem_desc(__shfl_sync(0xffffffffu, q_base, 0), 16, 1024);
+#else
     const uint64_t dq = smem_desc(q_base, 16, 1024);
+#endif
     const uint64_t dk = smem_desc(base + kSmemK + s * kKBytes, 16, 1024);
     wgmma_fence();
 #pragma unroll
