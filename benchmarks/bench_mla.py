@@ -284,8 +284,9 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, r
 def merge_rounds(rounds, f_fwd, f_all):
     """One row per method from several rounds of run_batch (the methods interleaved within each
     round, in reverse order every other round, so that a drift of the GPU's clocks over the
-    run hits them alike): the median of the rounds' median times; a method that failed in any
-    round keeps that round's error."""
+    run hits them alike): the median of the rounds' median times (for an even number of rounds
+    the mean of the middle two); a method whose forward (or backward) failed in any round keeps
+    that round's error."""
     merged = []
     for first in rounds[0]:
         same = [row for rows in rounds for row in rows if row["method"] == first["method"]]
@@ -297,7 +298,13 @@ def merge_rounds(rounds, f_fwd, f_all):
         row["fwd_s"] = statistics.median(r["fwd_s"] for r in same)
         row["fwd_tflops"] = f_fwd / row["fwd_s"] / 1e12
         row["fwd_spread"] = max(r["fwd_s"] for r in same) / min(r["fwd_s"] for r in same)
-        if all("all_s" in r for r in same):
+        row.pop("all_s", None)
+        row.pop("all_tflops", None)
+        bwd_bad = [r for r in same if "bwd_error" in r]
+        if bwd_bad:  # the backward failed in some round: report that, not another round's time
+            row["bwd_error"] = bwd_bad[0]["bwd_error"]
+        else:
+            row.pop("bwd_error", None)
             row["all_s"] = statistics.median(r["all_s"] for r in same)
             row["all_tflops"] = f_all / row["all_s"] / 1e12
             row["all_spread"] = max(r["all_s"] for r in same) / min(r["all_s"] for r in same)
@@ -382,7 +389,7 @@ def parse_markdown(path):
         if "matmul floor" in line:
             floor = float(line.split(":")[-1].split()[0])
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if not line.startswith("|") or len(cells) != 7 or cells[0].startswith(("shape", "---")) or "error" in cells[2]:
+        if not line.startswith("|") or len(cells) != 7 or cells[0].startswith(("batch", "shape", "---")) or "error" in cells[2]:
             continue
         row = {"method": cells[1], "fwd_tflops": float(cells[3].split()[0])}
         if cells[5][:1].isdigit():
@@ -405,7 +412,7 @@ def main(argv=None):
     p.add_argument("--replot", default=None, help="only re-plot a markdown section written by --out")
     p.add_argument("--rounds", type=int, default=1,
                    help="time every method this many times per batch, the methods interleaved (in reverse "
-                        "order every other round), and report the median round (default 1)")
+                        "order every other round), and report the median over the rounds (default 1)")
     p.add_argument("--cooldown", type=float, default=0.0,
                    help="seconds of idle GPU before each timing (same starting clocks for every method)")
     p.add_argument("--methods", default=None,
@@ -462,7 +469,7 @@ def main(argv=None):
             f.write(f"- bf16 matmul floor (8192^3, same run): {floor:.0f} TFLOP/s\n")
             if args.rounds > 1:
                 f.write(f"- {args.rounds} rounds per batch, the methods interleaved (reversed every other round), "
-                        f"{args.cooldown:g} s idle before each timing; each time is the median round's "
+                        f"{args.cooldown:g} s idle before each timing; each time is the median over the rounds "
                         "(max / min of the rounds after the row)\n")
             f.write(f"- varlen sequence order: {os.environ.get('VERL_OPS_VARLEN_ORDER', 'largest_first')}\n")
             for label, lengths, heads in todo:
