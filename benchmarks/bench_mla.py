@@ -449,8 +449,7 @@ def main(argv=None):
             rounds = [run_batch(label, lengths, heads, reps, floor, gen, only, quiet=True, reverse=r % 2 == 1,
                                 cooldown=args.cooldown)
                       for r in range(args.rounds)]
-            order = {m: i for i, m in enumerate(make_methods(lengths, heads, None, 1.0))}
-            rows = sorted(merge_rounds(rounds, *flops(lengths, heads)), key=lambda r: order.get(r["method"], 0))
+            rows = merge_rounds(rounds, *flops(lengths, heads))  # round 0's order: make_methods'
             for r in rows:
                 spread = "".join(f", {k[:-7]} spread {r[k]:.3f}" for k in ("fwd_spread", "all_spread") if k in r)
                 print(fmt_row(label, r, floor) + (f" <!-- {args.rounds} rounds{spread} -->" if spread else ""),

@@ -166,12 +166,14 @@ def merge_router_topk_indices(
     tp_size = mpu.get_tensor_model_parallel_world_size()
     tp_group = mpu.get_tensor_model_parallel_group() if tp_size > 1 else None
     device = _first_device(layers_topk_idx)
-    if isinstance(layers_topk_idx, (list, tuple)) and len({t.dtype for t in layers_topk_idx
-                                                           if isinstance(t, torch.Tensor)}) > 1:
+    dtypes = {t.dtype for t in layers_topk_idx if isinstance(t, torch.Tensor)} \
+        if isinstance(layers_topk_idx, (list, tuple)) else set()
+    if len(dtypes) > 1:
         # layers recorded in different integer dtypes (verl converts each to int16 before its stack):
-        # one common dtype here, which the op stores as int16
-        common = functools.reduce(torch.promote_types, [t.dtype for t in layers_topk_idx])
-        layers_topk_idx = [t.to(common) for t in layers_topk_idx]
+        # one common dtype here, which the op stores as int16 (anything that is not a tensor is left
+        # for the op's own error)
+        common = functools.reduce(torch.promote_types, dtypes)
+        layers_topk_idx = [t.to(common) if isinstance(t, torch.Tensor) else t for t in layers_topk_idx]
     if isinstance(input_ids, torch.Tensor) and input_ids.is_nested:
         check_jagged(op, "input_ids", input_ids)
         cp_size, _, cp_group = _cp_of(mpu, local_cp_size)
