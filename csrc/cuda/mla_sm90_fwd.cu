@@ -18,7 +18,9 @@
 //   more than 2^8, so O is rarely rescaled), O += P V (wgmma, P from registers). The S GEMM of
 //   key tile j + 1 and the PV GEMM of tile j are in flight while the softmax of tile j + 1 runs,
 //   and the two warpgroups take turns issuing GEMMs (named barriers; a tile's first S GEMM
-//   too), so one's softmax overlaps the other's GEMMs.
+//   too), so one's softmax overlaps the other's GEMMs. A warpgroup whose rows see only the first
+//   64 keys of the tile's first (last) key tile, as warpgroup 0 on a causal diagonal, runs that
+//   tile's S GEMM over those 64 keys (m64n64).
 // - Two details the SASS needs (checked with nvdisasm; benchmarks/prof_mla_sm90_ab.sh measures
 //   them): the descriptors derive from warp-uniform values (a shuffle from lane 0), so they live
 //   in uniform registers and the 20 wgmmas of a key tile issue back to back; and a store of the
@@ -315,12 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const int s = __shfl_sync(0xffffffffu, stage, 0);  // warp-uniform (see warp_group)
     // One descriptor per operand, the k-steps as constant offsets of its address field (in 16 B
     // units; shared addresses stay below 2^18, so the field never carries into the next one).
-#if defined(VERL_OPS_SM90_Q_UNIFORM)
-    // (candidate: Q's base through a shuffle here too, so that its descriptors are uniform)
-    const uint64_t dq = smem_desc(__shfl_sync(0xffffffffu, q_base, 0), 16, 1024);
-#else
     const uint64_t dq = smem_desc(q_base, 16, 1024);
-#endif
     const uint64_t dk = smem_desc(base + kSmemK + s * kKBytes, 16, 1024);
     wgmma_fence();
 #pragma unroll
@@ -328,6 +325,21 @@ __global__ void __launch_bounds__(kThreads, 1)
       const uint32_t chunk = kk / 4, off = (kk % 4) * 32;
       wgmma_ss<kHalf>(sacc, desc_at(dq, (chunk * kBM * 128 + off) >> 4),
                       desc_at(dk, (chunk * kBN * 128 + off) >> 4), kk > 0);
+    }
+    wgmma_commit();
+  };
+  // S over the tile's first 64 keys only (columns 0-63 of sacc; the mask sets the others): for a
+  // warpgroup whose rows see none of the last 64 keys of its first key tile (see the loop).
+  auto issue_s_half = [&](int stage) {
+    const int s = __shfl_sync(0xffffffffu, stage, 0);
+    const uint64_t dq = smem_desc(q_base, 16, 1024);
+    const uint64_t dk = smem_desc(base + kSmemK + s * kKBytes, 16, 1024);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kDqk / 16; ++kk) {
+      const uint32_t chunk = kk / 4, off = (kk % 4) * 32;
+      wgmma_ss_n64<kHalf>(reinterpret_cast<float(&)[32]>(sacc), desc_at(dq, (chunk * kBM * 128 + off) >> 4),
+                          desc_at(dk, (chunk * kBN * 128 + off) >> 4), kk > 0);
     }
     wgmma_commit();
   };
@@ -456,10 +468,24 @@ __global__ void __launch_bounds__(kThreads, 1)
         // softmax overlaps warpgroup 1's GEMM instead of both softmaxes running while the tensor
         // cores idle (+0.7-2.4% on the forward, RESULTS.md). The turns stay balanced: per tile
         // each warpgroup syncs and arrives once more.
-        sched_sync();
-        issue_s(s);
-        sched_arrive();
-        wgmma_wait<0>();
+        // The first key tile is the last one (the tiles run from the last down). Where this
+        // warpgroup's rows see none of its last 64 keys (warpgroup 0 on the diagonal of a
+        // top-left causal mask; a sequence's last partial tile), its S GEMM covers the first 64
+        // keys only: half the tensor work of that tile (forward +1-3% on causal and short
+        // batches, RESULTS.md). The whole turn is in each branch: an issue and its wait in
+        // different branches make ptxas serialise every wgmma of the kernel.
+        const int lim = p.causal ? min(lk, m_block * kBM + wg * 64 + 64 + shift) : lk;
+        if (__shfl_sync(0xffffffffu, lim <= (n_blocks - 1) * kBN + 64 ? 1 : 0, 0)) {
+          sched_sync();
+          issue_s_half(s);
+          sched_arrive();
+          wgmma_wait<0>();
+        } else {
+          sched_sync();
+          issue_s(s);
+          sched_arrive();
+          wgmma_wait<0>();
+        }
         fence_regs(sacc);
         if (t == 0) SM90_TRACE(1 + wg, iter, 2, clock64());
         mbar_arrive(bar_empty_k(s));
