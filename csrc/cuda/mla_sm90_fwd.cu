@@ -20,7 +20,9 @@
 //   and the two warpgroups take turns issuing GEMMs (named barriers; a tile's first S GEMM
 //   too), so one's softmax overlaps the other's GEMMs. A warpgroup whose rows see only the first
 //   64 keys of the tile's first (last) key tile, as warpgroup 0 on a causal diagonal, runs that
-//   tile's S GEMM over those 64 keys (m64n64).
+//   tile's S GEMM over those 64 keys (m64n64); a warpgroup whose rows all lie past the
+//   sequence's end (a last query tile of at most 64 rows) issues no GEMM and only keeps the
+//   turns and barriers in step.
 // - Two details the SASS needs (checked with nvdisasm; benchmarks/prof_mla_sm90_ab.sh measures
 //   them): the descriptors derive from warp-uniform values (a shuffle from lane 0), so they live
 //   in uniform registers and the 20 wgmmas of a key tile issue back to back; and a store of the
@@ -458,93 +460,117 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (t == 0) SM90_TRACE(1 + wg, iter, 1, clock64());
       ++q_it;
       if (wg == 1) sched_arrive();
-      // Key tile 0: S, softmax, P. Then for each next tile the S GEMM of tile it and the PV
-      // GEMM of tile it - 1 run on the tensor cores while this warpgroup does the softmax of
-      // tile it.
-      {
-        const int s = kv_it % kStages;
-        mbar_wait(bar_full_k(s), (kv_it / kStages) & 1);
-        // The first S GEMM of a tile takes its turn too, so warpgroup 0's runs first and its
-        // softmax overlaps warpgroup 1's GEMM instead of both softmaxes running while the tensor
-        // cores idle (+0.7-2.4% on the forward, RESULTS.md). The turns stay balanced: per tile
-        // each warpgroup syncs and arrives once more.
-        // The first key tile is the last one (the tiles run from the last down). Where this
-        // warpgroup's rows see none of its last 64 keys (warpgroup 0 on the diagonal of a
-        // top-left causal mask; a sequence's last partial tile), its S GEMM covers the first 64
-        // keys only: half the tensor work of that tile (forward +1-3% on causal and short
-        // batches, RESULTS.md). The whole turn is in each branch: an issue and its wait in
-        // different branches make ptxas serialise every wgmma of the kernel.
-        const int lim = p.causal ? min(lk, m_block * kBM + wg * 64 + 64 + shift) : lk;
-        if (__shfl_sync(0xffffffffu, lim <= (n_blocks - 1) * kBN + 64 ? 1 : 0, 0)) {
+      // A warpgroup whose 64 rows all lie past the sequence's end (warpgroup 1 on a last query
+      // tile of at most 64 rows) runs no GEMM and no softmax: it only keeps the turns and the
+      // stages' barriers in step with the other warpgroup, which then has the tensor cores to
+      // itself (forward +1-2% on ragged and short batches, RESULTS.md). Its epilogue writes
+      // nothing (no row inside the sequence).
+      if (__shfl_sync(0xffffffffu, m_block * kBM + wg * 64 >= lq ? 1 : 0, 0)) {
+        for (int it = 0; it < n_blocks; ++it) {
+          const int g = kv_it + it, s = g % kStages, sp = (g + kStages - 1) % kStages;
+          mbar_wait(bar_full_k(s), (g / kStages) & 1);
           sched_sync();
-          issue_s_half(s);
+          if (it > 0) mbar_wait(bar_full_v(sp), ((g - 1) / kStages) & 1);
           sched_arrive();
-          wgmma_wait<0>();
-        } else {
+          mbar_arrive(bar_empty_k(s));
+          if (it == n_blocks - 1) mbar_arrive(bar_q_empty);
+          if (it > 0) mbar_arrive(bar_empty_v(sp));
+        }
+        const int gl = kv_it + n_blocks - 1, sl = gl % kStages;
+        mbar_wait(bar_full_v(sl), (gl / kStages) & 1);
+        sched_sync();
+        if (wg == 0) sched_arrive();
+        mbar_arrive(bar_empty_v(sl));
+        kv_it += n_blocks;
+      } else {
+        // Key tile 0: S, softmax, P. Then for each next tile the S GEMM of tile it and the PV
+        // GEMM of tile it - 1 run on the tensor cores while this warpgroup does the softmax of
+        // tile it.
+        {
+          const int s = kv_it % kStages;
+          mbar_wait(bar_full_k(s), (kv_it / kStages) & 1);
+          // The first S GEMM of a tile takes its turn too, so warpgroup 0's runs first and its
+          // softmax overlaps warpgroup 1's GEMM instead of both softmaxes running while the tensor
+          // cores idle (+0.7-2.4% on the forward, RESULTS.md). The turns stay balanced: per tile
+          // each warpgroup syncs and arrives once more.
+          // The first key tile is the last one (the tiles run from the last down). Where this
+          // warpgroup's rows see none of its last 64 keys (warpgroup 0 on the diagonal of a
+          // top-left causal mask; a sequence's last partial tile), its S GEMM covers the first 64
+          // keys only: half the tensor work of that tile (forward +1-3% on causal and short
+          // batches, RESULTS.md). The whole turn is in each branch: an issue and its wait in
+          // different branches make ptxas serialise every wgmma of the kernel.
+          const int lim = p.causal ? min(lk, m_block * kBM + wg * 64 + 64 + shift) : lk;
+          if (__shfl_sync(0xffffffffu, lim <= (n_blocks - 1) * kBN + 64 ? 1 : 0, 0)) {
+            sched_sync();
+            issue_s_half(s);
+            sched_arrive();
+            wgmma_wait<0>();
+          } else {
+            sched_sync();
+            issue_s(s);
+            sched_arrive();
+            wgmma_wait<0>();
+          }
+          fence_regs(sacc);
+          if (t == 0) SM90_TRACE(1 + wg, iter, 2, clock64());
+          mbar_arrive(bar_empty_k(s));
+          if (n_blocks == 1) mbar_arrive(bar_q_empty);
+        }
+        float a0, a1;
+        softmax(n_blocks - 1, a0, a1);
+        to_pa();
+#if defined(VERL_OPS_SM90_TRACE)
+        asm volatile("" ::"r"(pa[0][0]), "r"(pa[7][3]), "f"(l0), "f"(l1) : "memory");
+        if (t == 0) SM90_TRACE(1 + wg, iter, 3, clock64());
+#endif
+        for (int it = 1; it < n_blocks; ++it) {
+          const int g = kv_it + it;
+          const int s = g % kStages, sp = (g - 1) % kStages;
+          mbar_wait(bar_full_k(s), (g / kStages) & 1);
           sched_sync();
           issue_s(s);
+          mbar_wait(bar_full_v(sp), ((g - 1) / kStages) & 1);
+          issue_pv(sp);
           sched_arrive();
-          wgmma_wait<0>();
-        }
-        fence_regs(sacc);
-        if (t == 0) SM90_TRACE(1 + wg, iter, 2, clock64());
-        mbar_arrive(bar_empty_k(s));
-        if (n_blocks == 1) mbar_arrive(bar_q_empty);
-      }
-      float a0, a1;
-      softmax(n_blocks - 1, a0, a1);
-      to_pa();
-#if defined(VERL_OPS_SM90_TRACE)
-      asm volatile("" ::"r"(pa[0][0]), "r"(pa[7][3]), "f"(l0), "f"(l1) : "memory");
-      if (t == 0) SM90_TRACE(1 + wg, iter, 3, clock64());
-#endif
-      for (int it = 1; it < n_blocks; ++it) {
-        const int g = kv_it + it;
-        const int s = g % kStages, sp = (g - 1) % kStages;
-        mbar_wait(bar_full_k(s), (g / kStages) & 1);
-        sched_sync();
-        issue_s(s);
-        mbar_wait(bar_full_v(sp), ((g - 1) / kStages) & 1);
-        issue_pv(sp);
-        sched_arrive();
-        wgmma_wait<1>();
-        fence_regs(sacc);
-        mbar_arrive(bar_empty_k(s));
-        if (it == n_blocks - 1) mbar_arrive(bar_q_empty);
-        softmax(n_blocks - 1 - it, a0, a1);
+          wgmma_wait<1>();
+          fence_regs(sacc);
+          mbar_arrive(bar_empty_k(s));
+          if (it == n_blocks - 1) mbar_arrive(bar_q_empty);
+          softmax(n_blocks - 1 - it, a0, a1);
 #ifndef VERL_OPS_SM90_NO_SOFTMAX_FENCE
-        // ptxas schedules the wait for the PV GEMM early, before most of the softmax, which then
-        // runs after the GEMM instead of beside it. A shared-memory store of the row sums (a
-        // scratch word nobody reads) depends on every exponential of the softmax and is not moved
-        // past the wait, so the softmax stays ahead of it.
-        asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(base + kSmemScratch), "f"(l0 + l1) : "memory");
+          // ptxas schedules the wait for the PV GEMM early, before most of the softmax, which then
+          // runs after the GEMM instead of beside it. A shared-memory store of the row sums (a
+          // scratch word nobody reads) depends on every exponential of the softmax and is not moved
+          // past the wait, so the softmax stays ahead of it.
+          asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(base + kSmemScratch), "f"(l0 + l1) : "memory");
 #endif
+          wgmma_wait<0>();
+          fence_regs(o);
+          mbar_arrive(bar_empty_v(sp));
+          if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
+#pragma unroll
+            for (int c = 0; c < 16; ++c) {
+              o[4 * c + 0] *= a0;
+              o[4 * c + 1] *= a0;
+              o[4 * c + 2] *= a1;
+              o[4 * c + 3] *= a1;
+            }
+          }
+          to_pa();
+        }
+        if (t == 0) SM90_TRACE(1 + wg, iter, 4, clock64());
+        const int gl = kv_it + n_blocks - 1;
+        const int sl = gl % kStages;
+        mbar_wait(bar_full_v(sl), (gl / kStages) & 1);
+        sched_sync();
+        issue_pv(sl);
+        if (wg == 0) sched_arrive();
         wgmma_wait<0>();
         fence_regs(o);
-        mbar_arrive(bar_empty_v(sp));
-        if (__any_sync(0xffffffffu, a0 != 1.f || a1 != 1.f)) {
-#pragma unroll
-          for (int c = 0; c < 16; ++c) {
-            o[4 * c + 0] *= a0;
-            o[4 * c + 1] *= a0;
-            o[4 * c + 2] *= a1;
-            o[4 * c + 3] *= a1;
-          }
-        }
-        to_pa();
+        mbar_arrive(bar_empty_v(sl));
+        if (t == 0) SM90_TRACE(1 + wg, iter, 5, clock64());
+        kv_it += n_blocks;
       }
-      if (t == 0) SM90_TRACE(1 + wg, iter, 4, clock64());
-      const int gl = kv_it + n_blocks - 1;
-      const int sl = gl % kStages;
-      mbar_wait(bar_full_v(sl), (gl / kStages) & 1);
-      sched_sync();
-      issue_pv(sl);
-      if (wg == 0) sched_arrive();
-      wgmma_wait<0>();
-      fence_regs(o);
-      mbar_arrive(bar_empty_v(sl));
-      if (t == 0) SM90_TRACE(1 + wg, iter, 5, clock64());
-      kv_it += n_blocks;
     }
 
     // Epilogue: normalise, write O and the log-sum-exp of the rows inside the sequence.
