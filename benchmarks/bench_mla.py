@@ -405,6 +405,8 @@ def main(argv=None):
     p.add_argument("--quick", action="store_true", help="two small shapes and an 8k-token ragged batch, few repeats")
     p.add_argument("--batches", choices=("all", "uniform", "ragged"), default="all",
                    help="which batches: the uniform shapes, the ragged batches of issue 10, or both")
+    p.add_argument("--shapes", default=None,
+                   help="uniform batches instead of --batches: comma-separated BxSxH (e.g. '16x1024x16,4x4096x128')")
     p.add_argument("--reps", type=int, default=None, help="timed repeats per method (default 30; quick 5)")
     p.add_argument("--out", default=None, help="write a markdown section here")
     p.add_argument("--seed", type=int, default=0)
@@ -439,6 +441,11 @@ def main(argv=None):
     if args.methods:
         only = {m.strip() for m in args.methods.split(",") if m.strip()}
     todo = batches("quick" if args.quick else args.batches, args.seed)
+    if args.shapes:
+        todo = []
+        for spec in args.shapes.split(","):
+            b, s_len, h = (int(x) for x in spec.strip().lower().split("x"))
+            todo.append((f"{b}x{s_len} H{h}", [s_len] * b, h))
     for label, lengths, heads in todo:
         if len(set(lengths)) > 1:
             print(f"{label}: {len(lengths)} sequences, lengths {lengths}")

@@ -200,24 +200,32 @@ def test_auto_cudnn_floor_mirror(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    "lengths, kv_lengths, heads, dims, varlen_auto, want",
+    "lengths, kv_lengths, heads, dims, varlen_auto, varlen_uniform, want",
     [
-        ([100, 3000, 7], None, (16, 16), (192, 128), True, "varlen"),  # ragged: varlen
-        ([100, 3000, 7], None, (16, 16), (192, 128), False, "padded"),  # no varlen (build, device)
-        ([1024] * 16, None, (16, 16), (192, 128), True, "native"),  # uniform: the native rule
-        ([512] * 4, None, (16, 16), (192, 128), True, "padded"),  # uniform below the native rule
-        ([5, 9], [9, 5], (8, 2), (128, 128), True, "varlen"),  # cross attention, grouped heads
-        ([5, 9], None, (4, 4), (96, 64), True, "padded"),  # head dims not in the table
-        ([1, 1, 0], None, (4, 4), (192, 128), True, "padded"),  # single tokens: padded
+        ([100, 3000, 7], None, (16, 16), (192, 128), True, False, "varlen"),  # ragged: varlen
+        ([100, 3000, 7], None, (16, 16), (192, 128), False, False, "padded"),  # no varlen (build, device)
+        ([1024] * 16, None, (16, 16), (192, 128), True, False, "native"),  # uniform: the native rule
+        ([512] * 4, None, (16, 16), (192, 128), True, False, "padded"),  # uniform below the native rule
+        # uniform where varlen runs the own SM90 kernels: varlen, above and below the native rule
+        ([1024] * 16, None, (16, 16), (192, 128), True, True, "varlen"),
+        ([512] * 4, None, (16, 16), (192, 128), True, True, "varlen"),
+        ([1024] * 16, None, (16, 16), (192, 128), False, True, "native"),  # not without varlen_auto
+        ([1024] * 16, None, (16, 16), (128, 128), True, True, "padded"),  # other head dims: as before
+        ([2, 2], [3, 3], (4, 4), (192, 128), True, True, "varlen"),  # uniform cross attention
+        ([5, 9], [9, 5], (8, 2), (128, 128), True, False, "varlen"),  # cross attention, grouped heads
+        ([5, 9], None, (4, 4), (96, 64), True, True, "padded"),  # head dims not in the table
+        ([1, 1, 0], None, (4, 4), (192, 128), True, True, "padded"),  # single tokens: padded
+        ([1, 1], None, (4, 4), (192, 128), True, True, "padded"),  # uniform single tokens: padded
     ],
 )
-def test_auto_rule_mirror(lengths, kv_lengths, heads, dims, varlen_auto, want):
+def test_auto_rule_mirror(lengths, kv_lengths, heads, dims, varlen_auto, varlen_uniform, want):
     """_fake._mla_backend mirrors resolve_mla_backend: auto sends batches that are not uniform to
     varlen where varlen_auto holds (Hopper, a build with the backend) and the head dims are in the
-    table."""
+    table, and uniform 192 / 128 batches too where varlen runs the own SM90 kernels."""
     kv_lengths = lengths if kv_lengths is None else kv_lengths
     sizes = (sum(lengths), sum(kv_lengths), heads[0], heads[1], dims[0], dims[1], len(lengths))
-    got = _fake._mla_backend("op", 0, sizes, max(lengths), max(kv_lengths), True, kv_lengths is lengths, varlen_auto)
+    got = _fake._mla_backend("op", 0, sizes, max(lengths), max(kv_lengths), True, kv_lengths is lengths,
+                             varlen_auto, varlen_uniform)
     assert got == want
     assert _fake._mla_backend("op", 3, sizes, max(lengths), max(kv_lengths), True, False, False) == "varlen"
 
@@ -735,22 +743,24 @@ def test_cache_info_under_another_default_device():
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_cuda_auto_takes_fa4_on_uniform_self_attention(monkeypatch, causal):
     """Where flash-attn-4 is installed, auto runs it for bf16 192/128 self-attention (one offsets
-    tensor) on uniform batches, and the result is the reference's. Ragged batches (the edge-case
-    lengths, 0 and 1 included) stay on varlen where it runs the own SM90 kernels (they measured at
-    or ahead of FlashAttention-4 there), else they take FlashAttention-4 too. With two offsets
-    tensors auto never takes it."""
+    tensor) on uniform batches of sequences longer than 1024, and the result is the reference's.
+    Ragged batches (the edge-case lengths, 0 and 1 included) and uniform ones of shorter sequences
+    stay on varlen where it runs the own SM90 kernels (they measured at or ahead of
+    FlashAttention-4 there), else they take FlashAttention-4 too. With two offsets tensors auto
+    never takes it."""
     from verl_ops import _mla
 
     calls = []
     real = _mla._fa4_forward
     monkeypatch.setattr(_mla, "_fa4_forward", lambda *a: calls.append(1) or real(*a))
     g_cpu = torch.Generator().manual_seed(3)
-    for lengths, uniform in (([256, 256, 256], True), ([3, 0, 1, 2, 127, 128, 129, 0, 1000], False)):
+    for lengths, long_uniform in (([1152, 1152], True), ([256, 256, 256], False),
+                                  ([3, 0, 1, 2, 127, 128, 129, 0, 1000], False)):
         c = make_case(lengths, hq=8, hk=8, device="cuda", seed=21)
         c["cu_kv"] = c["cu_q"]
         before = len(calls)
         out, (q, k, v) = run(c, causal=causal, backend="auto")
-        takes = uniform or not _mla._own_kernels_take_ragged(c["q"].device)
+        takes = long_uniform or not _mla._own_kernels_take_ragged(c["q"].device)
         assert len(calls) == before + int(takes), (lengths, calls)
         if not takes:
             want_varlen, _ = run(c, causal=causal, backend="varlen")
@@ -773,8 +783,9 @@ def test_cuda_auto_takes_fa4_on_uniform_self_attention(monkeypatch, causal):
 @pytest.mark.skipif(not HOPPER, reason="auto's FlashAttention-4 rule is for Hopper")
 def test_cuda_auto_fa4_rule_uniform_vs_ragged(monkeypatch):
     """auto's FlashAttention-4 rule without flash-attn-4 itself (its call replaced by a recorder):
-    uniform bf16 192/128 self-attention batches take it; ragged ones stay on varlen wherever varlen
-    runs the own SM90 kernels (the default build on Hopper), else they take it too."""
+    uniform bf16 192/128 self-attention batches of sequences longer than 1024 take it; ragged ones
+    and uniform ones of shorter sequences stay on varlen wherever varlen runs the own SM90 kernels
+    (the default build on Hopper), else they take it too."""
     from verl_ops import _mla
 
     calls = []
@@ -789,18 +800,28 @@ def test_cuda_auto_fa4_rule_uniform_vs_ragged(monkeypatch):
     info = mla_cache_info()
     own = info["hopper_forward"] and info["hopper_backward"] and info["cudnn_version"] >= 90700
     assert _mla._own_kernels_take_ragged(torch.device("cuda")) == own
-    uni = make_case([256, 256, 256], hq=4, hk=4, device="cuda", seed=22)
+    uni = make_case([1025, 1025], hq=4, hk=4, device="cuda", seed=22)
+    uni["cu_kv"] = uni["cu_q"]  # self-attention: one offsets tensor, the rule's condition
     run(uni, backend="auto")
-    assert calls == [(768, 4, 192)]
+    assert calls == [(2050, 4, 192)]
     rag = make_case([3, 0, 1, 2, 127, 128, 129, 0, 1000], hq=4, hk=4, device="cuda", seed=23)
+    rag["cu_kv"] = rag["cu_q"]
     out, _ = run(rag, backend="auto")
     assert len(calls) == (1 if own else 2)
     want, _ = run(rag, backend="varlen")
     assert torch.equal(out, want)
     # max_seqlen above the longest length: not uniform either (B * max_seqlen > T).
-    uni["max_q"] = uni["max_kv"] = 300
+    uni["max_q"] = uni["max_kv"] = 1100
     run(uni, backend="auto")
     assert len(calls) == (1 if own else 3)
+    # uniform, sequences of 1024: the own kernels where they run (auto's op-level rule sends
+    # uniform 192 / 128 batches to varlen there), else FlashAttention-4.
+    short = make_case([1024, 1024], hq=4, hk=4, device="cuda", seed=24)
+    short["cu_kv"] = short["cu_q"]
+    out, _ = run(short, backend="auto")
+    assert len(calls) == (1 if own else 4)
+    if own:
+        assert torch.equal(out, run(short, backend="varlen")[0])
 
 
 def test_auto_does_not_take_fa4_off_cuda(monkeypatch):

@@ -348,11 +348,14 @@ def _probe_varlen() -> tuple:
     try:
         info = torch.ops.verl_ops.mla_cache_info(torch.empty(0, device="cpu")).tolist()
     except (AttributeError, RuntimeError):  # a module built before the op existed
-        return False, 0
-    return bool(info[0]), (info[9] if len(info) > 9 else 0)
+        return False, 0, False
+    own = len(info) > 11 and bool(info[10]) and bool(info[11])
+    return bool(info[0]), (info[9] if len(info) > 9 else 0), own
 
 
-_VARLEN_BUILT, _VARLEN_CUDNN = _probe_varlen()
+# _VARLEN_OWN: varlen runs the own SM90 forward and backward (mla_cache_info's hopper_forward and
+# hopper_backward), where auto also sends uniform 192 / 128 batches to it.
+_VARLEN_BUILT, _VARLEN_CUDNN, _VARLEN_OWN = _probe_varlen()
 _VARLEN_AUTO_MIN_CUDNN = 90700
 _VARLEN_DEVICES = {}
 
@@ -415,8 +418,10 @@ def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
     return tq, tk, hq, hk, dqk, dv, cu_q.shape[0] - 1
 
 
-def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets, varlen_auto) -> str:
-    """Mirrors resolve_mla_backend in csrc/ops/mla_ops.cpp (shapes, and varlen_auto for auto)."""
+def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets, varlen_auto,
+                 varlen_uniform=False) -> str:
+    """Mirrors resolve_mla_backend in csrc/ops/mla_ops.cpp (shapes, and varlen_auto /
+    varlen_uniform for auto)."""
     _check(backend in (0, 1, 2, 3), op, f"backend must be 0 (auto), 1 (padded), 2 (native) or 3 (varlen), got {backend}")
     name = _MLA_BACKENDS[backend]
     if name in ("padded", "varlen"):
@@ -433,6 +438,8 @@ def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets, varlen
         for r_dqk, r_dv, min_rows_heads in _AUTO_VARLEN:
             if dqk == r_dqk and dv == r_dv and tq * hq >= min_rows_heads:
                 return "varlen"
+    if name == "auto" and varlen_auto and varlen_uniform and uniform and dqk == 192 and dv == 128:
+        return "varlen"
     if name == "native":
         _check(uniform or ragged_ok, op, "backend='native' needs a uniform batch or causal self-attention")
         _check(same_heads, op, "backend='native' needs as many k/v heads as q heads")
@@ -462,7 +469,8 @@ def _mla_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_se
     op = "mla_forward_padded"
     s = _mla_sizes(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale)
     b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
-                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), _varlen_auto(q.device))
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), _varlen_auto(q.device),
+                     _varlen_auto(q.device) and _VARLEN_OWN)
     tq, tk, hq, hk, dqk, dv, _ = s
     return _mla_rows(q, b, tq, hq, dv, dqk), q.new_empty((hq, tq), dtype=_lse_dtype(q))
 
@@ -484,7 +492,8 @@ def _mla_backward_fake(grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seq
     torch._check(softmax_lse.shape[0] == hq and softmax_lse.shape[1] == tq,
                  lambda: f"{op}: softmax_lse must be [Hq, Tq] = [{hq}, {tq}]")
     b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
-                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), _varlen_auto(q.device))
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), _varlen_auto(q.device),
+                     _varlen_auto(q.device) and _VARLEN_OWN)
     return q.new_empty((tq, hq, dqk)), k.new_empty((tk, hk, dqk)), _mla_rows(v, b, tk, hk, dv, dqk)
 
 

@@ -254,14 +254,23 @@ def _own_kernels_take_ragged(device: torch.device) -> bool:
 _OWN_HOPPER = None
 
 
+# Uniform batches of sequences up to this long stay on the own SM90 kernels under auto: they
+# measured ahead of FlashAttention-4 there (H200, 2026-11-26: 64 x 256 .. 16 x 1024, 16 and 128
+# heads, forward 1.04-1.27x, forward+backward 1.01-1.07x) and behind it on longer uniform ones
+# (2048 .. 8192 with 16 heads: forward 0.93-0.97x, forward+backward 0.97-0.98x).
+_AUTO_FA4_UNIFORM_ABOVE = 1024
+
+
 def _auto_takes_fa4(q, k, v, cu_q, cu_kv, max_seqlen_q) -> bool:
     """backend="auto" runs FlashAttention-4 where it is installed and measured faster than every
     native backend (benchmarks/RESULTS.md, H200): eager bf16 / fp16 self-attention (one offsets
     tensor for q and kv) with MLA's head dims 192 / 128 on Hopper, on uniform batches (every
-    sequence ``max_seqlen_q`` long: ``B * max_seqlen_q == Tq``). Ragged batches stay on the varlen
-    backend where it runs the own SM90 kernels, which measured 1.00-1.06x FlashAttention-4's
-    forward+backward there (0.93-0.98x on the uniform ones). Not while tracing or capturing (the
-    op keeps the graph one node); VERL_OPS_AUTO_FA4=0 turns it off."""
+    sequence ``max_seqlen_q`` long: ``B * max_seqlen_q == Tq``) of sequences longer than 1024.
+    Ragged batches and short uniform ones stay on the varlen backend where it runs the own SM90
+    kernels, which measured at or ahead of FlashAttention-4 there (forward+backward 1.01-1.10x on
+    the ragged batches, 1.01-1.07x on uniform ones up to 1024; 0.97-0.98x on longer uniform ones
+    with 16 heads). Not while tracing or capturing (the op keeps the graph one node);
+    VERL_OPS_AUTO_FA4=0 turns it off."""
     if not (q.is_cuda and cu_q is cu_kv and q.dim() == 3 and k.dim() == 3 and v.dim() == 3):
         return False
     if q.shape[-1] != 192 or v.shape[-1] != 128 or q.dtype not in (torch.bfloat16, torch.float16):
@@ -273,7 +282,7 @@ def _auto_takes_fa4(q, k, v, cu_q, cu_kv, max_seqlen_q) -> bool:
     if not _fa4_importable():
         return False
     uniform = (cu_q.shape[0] - 1) * int(max_seqlen_q) == q.shape[0]
-    return uniform or not _own_kernels_take_ragged(q.device)
+    return (uniform and int(max_seqlen_q) > _AUTO_FA4_UNIFORM_ABOVE) or not _own_kernels_take_ragged(q.device)
 
 
 def _fa4_varlen_func(op: str):

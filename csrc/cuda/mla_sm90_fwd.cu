@@ -18,11 +18,11 @@
 //   more than 2^8, so O is rarely rescaled), O += P V (wgmma, P from registers). The S GEMM of
 //   key tile j + 1 and the PV GEMM of tile j are in flight while the softmax of tile j + 1 runs,
 //   and the two warpgroups take turns issuing GEMMs (named barriers; a tile's first S GEMM
-//   too), so one's softmax overlaps the other's GEMMs. A warpgroup whose rows see only the first
-//   64 keys of the tile's first (last) key tile, as warpgroup 0 on a causal diagonal, runs that
-//   tile's S GEMM over those 64 keys (m64n64); a warpgroup whose rows all lie past the
-//   sequence's end (a last query tile of at most 64 rows) issues no GEMM and only keeps the
-//   turns and barriers in step.
+//   too), so one's softmax overlaps the other's GEMMs. A warpgroup whose rows see none of the
+//   last 64 keys of the tile's first (highest) key tile, e.g. warpgroup 0 on a top-left causal
+//   diagonal, runs that tile's S GEMM over the first 64 keys only (m64n64); a warpgroup whose
+//   rows all lie past the sequence's end (a last query tile of at most 64 rows) issues no GEMM
+//   and only keeps the turns and barriers in step.
 // - Two details the SASS needs (checked with nvdisasm; benchmarks/prof_mla_sm90_ab.sh measures
 //   them): the descriptors derive from warp-uniform values (a shuffle from lane 0), so they live
 //   in uniform registers and the 20 wgmmas of a key tile issue back to back; and a store of the
@@ -463,8 +463,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       // A warpgroup whose 64 rows all lie past the sequence's end (warpgroup 1 on a last query
       // tile of at most 64 rows) runs no GEMM and no softmax: it only keeps the turns and the
       // stages' barriers in step with the other warpgroup, which then has the tensor cores to
-      // itself (forward +1-2% on ragged and short batches, RESULTS.md). Its epilogue writes
-      // nothing (no row inside the sequence).
+      // itself (forward +0.7% RL-like, +2.4% 64 short sequences, RESULTS.md). Its epilogue
+      // writes nothing to global memory (no row inside the sequence).
       if (__shfl_sync(0xffffffffu, m_block * kBM + wg * 64 >= lq ? 1 : 0, 0)) {
         for (int it = 0; it < n_blocks; ++it) {
           const int g = kv_it + it, s = g % kStages, sp = (g + kStages - 1) % kStages;
@@ -495,9 +495,10 @@ __global__ void __launch_bounds__(kThreads, 1)
           // each warpgroup syncs and arrives once more.
           // The first key tile is the last one (the tiles run from the last down). Where this
           // warpgroup's rows see none of its last 64 keys (warpgroup 0 on the diagonal of a
-          // top-left causal mask; a sequence's last partial tile), its S GEMM covers the first 64
-          // keys only: half the tensor work of that tile (forward +1-3% on causal and short
-          // batches, RESULTS.md). The whole turn is in each branch: an issue and its wait in
+          // top-left causal mask; a bottom-right one whose offset lk - lq leaves at most 64 keys
+          // of the tile to the warpgroup; a sequence's last key tile of at most 64 keys), its S
+          // GEMM covers the first 64 keys only: half the S work of that tile (forward +1-3% on
+          // causal and short batches, RESULTS.md). The whole turn is in each branch: an issue and its wait in
           // different branches make ptxas serialise every wgmma of the kernel.
           const int lim = p.causal ? min(lk, m_block * kBM + wg * 64 + 64 + shift) : lk;
           if (__shfl_sync(0xffffffffu, lim <= (n_blocks - 1) * kBN + 64 ? 1 : 0, 0)) {

@@ -163,7 +163,7 @@ bool shares_offsets(const Tensor& a, const Tensor& b) {
 
 MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-                               bool same_offsets, bool varlen_auto) {
+                               bool same_offsets, bool varlen_auto, bool varlen_uniform) {
   VERL_CHECK(backend == kMlaBackendAuto || backend == kMlaBackendPadded ||
                  backend == kMlaBackendNative || backend == kMlaBackendVarlen,
              op, ": backend must be 0 (auto), 1 (padded), 2 (native) or 3 (varlen), got ", backend);
@@ -194,6 +194,13 @@ MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& 
         return MlaBackend::kVarlen;
       }
     }
+  }
+  // Uniform batches at MLA's head dims where varlen runs the own SM90 kernels: ahead of native
+  // (1.06-1.21x forward, 1.03-1.09x forward+backward) and padded (2x and more) on every uniform
+  // batch measured (H200, benchmarks/RESULTS.md 2026-11-26).
+  if (backend == kMlaBackendAuto && varlen_auto && varlen_uniform && uniform && s.dqk == 192 &&
+      s.dv == 128) {
+    return MlaBackend::kVarlen;
   }
   if (backend == kMlaBackendNative) {
     VERL_CHECK(uniform || ragged_ok, op,
@@ -260,8 +267,15 @@ MlaCall prepare_mla(const char* op, MlaDevice device, const Tensor& q, const Ten
   varlen_auto = device == MlaDevice::kCuda && cuda::varlen_auto_device(q.get_device_index()) &&
                 cuda::varlen_cudnn_version() >= cuda::kVarlenAutoMinCudnn;
 #endif
+  // ... and may send uniform 192 / 128 batches there too where varlen runs the own SM90 kernels
+  // (the flags mla_cache_info reports; verl_ops/_fake.py reads them from it).
+  bool varlen_uniform = false;
+#ifdef VERL_OPS_WITH_CUDNN_FE
+  varlen_uniform = varlen_auto && cuda::sm90_forward_enabled() && cuda::sm90_backward_enabled();
+#endif
   c.backend = resolve_mla_backend(op, backend, c.s, max_seqlen_q, max_seqlen_kv, causal,
-                                  shares_offsets(cu_seqlens_q, cu_seqlens_kv), varlen_auto);
+                                  shares_offsets(cu_seqlens_q, cu_seqlens_kv), varlen_auto,
+                                  varlen_uniform);
   c.scale = mla_softmax_scale(softmax_scale, c.s.dqk);
   return c;
 }

@@ -6,7 +6,8 @@
 // Output layout rule (what the fake kernels must mirror):
 //   backend = resolve_mla_backend(...)  (a function of the shapes, causal, shares_offsets and,
 //             for backend=auto, varlen_auto: whether the build has the varlen backend and q's
-//             device is a CUDA device of compute capability 9.x)
+//             device is a CUDA device of compute capability 9.x; and varlen_uniform: that, and
+//             the own SM90 forward and backward are on, as mla_cache_info reports)
 //   if backend == kPadded and Dv < Dqk:
 //     out    [Tq, Hq, Dv] is out_buf[:, :, :Dv] of a fresh contiguous [Tq, Hq, Dqk] buffer
 //            (strides (Hq * Dqk, Dqk, 1), storage offset 0);
@@ -58,9 +59,13 @@ void check_mla_backward_args(const char* op, const Tensor& grad_out, const Tenso
 // top of this file). same_offsets: q and kv use one cu_seqlens tensor (self-attention, as Megatron
 // passes it), which lets the native backend take ragged causal batches (see shares_offsets).
 // varlen_auto: auto may choose the varlen backend (for batches that are not uniform).
+// varlen_uniform: varlen runs verl_ops' own SM90 forward and backward (with varlen_auto, and
+// neither switched off by VERL_OPS_VARLEN_FORWARD / _BACKWARD): auto then sends uniform batches
+// with MLA's head dims 192 / 128 to varlen too (measured ahead of native and padded on every
+// uniform batch, H200).
 MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-                               bool same_offsets, bool varlen_auto);
+                               bool same_offsets, bool varlen_auto, bool varlen_uniform = false);
 
 // True when a and b are the same offsets: the same first element (data pointer), shape, strides
 // and dtype (no storage API on the stable ABI; the fake kernel compares storage and offset, which
