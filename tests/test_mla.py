@@ -186,7 +186,8 @@ def test_output_layout_per_backend():
     ],
 )
 def test_auto_backend_table(batch, seqlen, heads, dims, native):
-    """auto picks the backend from shapes alone (Meta tensors: no compute), as the table says."""
+    """auto picks the backend from shapes alone (Meta tensors: no compute, and no varlen there, so
+    the table without the varlen rules), as the table says."""
     dqk, dv = dims
     t = batch * seqlen
     q = torch.empty(t, heads, dqk, device="meta", dtype=torch.bfloat16)

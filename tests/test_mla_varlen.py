@@ -821,7 +821,15 @@ def test_cuda_auto_fa4_rule_uniform_vs_ragged(monkeypatch):
     out, _ = run(short, backend="auto")
     assert len(calls) == (1 if own else 4)
     if own:
+        # the layout changes with the rule: padded (a strided view of Dqk-wide rows) before, varlen
+        # (contiguous) now; the fake kernel agrees
+        assert out.is_contiguous()
         assert torch.equal(out, run(short, backend="varlen")[0])
+        with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
+            fq, fk, fv = (mode.from_tensor(short[n]) for n in ("q", "k", "v"))
+            fcu = mode.from_tensor(short["cu_q"])
+            fout, _ = OPS.mla_forward_padded(fq, fk, fv, fcu, fcu, 1024, 1024, True, None, 0)
+        assert fout.stride() == out.stride()
 
 
 def test_auto_does_not_take_fa4_off_cuda(monkeypatch):

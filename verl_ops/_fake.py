@@ -502,4 +502,4 @@ def _mla_cache_info_fake(like, capacity=-1):
     # Host counters: only a CPU `like` names a device they can be returned on.
     _check(like.device.type == "cpu", "mla_cache_info", f"like must be a CPU tensor, got one on {like.device}")
     _check(capacity >= -1, "mla_cache_info", f"capacity must be -1 (unchanged), 0 (no limit) or a number of plans, got {capacity}")
-    return like.new_empty((11,), dtype=torch.int64)
+    return like.new_empty((12,), dtype=torch.int64)  # kMlaCacheInfoFields

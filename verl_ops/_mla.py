@@ -119,11 +119,12 @@ def mla_forward_padded(
             ``nvidia-cudnn-frontend`` headers, else asking for it on CUDA raises), or ``"auto"``
             (from GPU measurements, see the README: on Hopper, in builds with ``varlen``, batches
             that are not uniform run ``varlen``, and uniform 192/128 ones too where it runs
-            verl_ops' own SM90 kernels; other uniform ones native where it measured faster; else
-            padded; where flash-attn-4 is installed, eager bf16/fp16 self-attention with head dims
-            192/128 on Hopper runs ``"fa4"`` on uniform batches of sequences longer than 1024,
-            where it measured faster still, and on every batch in builds without verl_ops' own
-            SM90 kernels). On the CPU every backend runs the same exact reference.
+            verl_ops' own SM90 kernels (else those go native where it measured faster); padded
+            elsewhere; where flash-attn-4 is installed, eager bf16/fp16 self-attention with head
+            dims 192/128 on Hopper runs ``"fa4"`` on uniform batches of sequences longer than
+            1024, where it measured faster still, and on every batch where auto's ``varlen`` would
+            not run the own SM90 kernels: a build without them or without ``varlen``, cuDNN older
+            than 9.7.0, or VERL_OPS_VARLEN_FORWARD / _BACKWARD=cudnn). On the CPU every backend runs the same exact reference.
         validate: check the offsets against the data on the host. Default: on when the offsets
             are CPU tensors; CUDA offsets are only checked with ``validate=True`` (a host sync),
             as in FlashAttention. Meta offsets (shape inference) are never read.

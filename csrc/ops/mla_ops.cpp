@@ -196,8 +196,8 @@ MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& 
     }
   }
   // Uniform batches at MLA's head dims where varlen runs the own SM90 kernels: ahead of native
-  // (1.06-1.21x forward, 1.03-1.09x forward+backward) and padded (2x and more) on every uniform
-  // batch measured (H200, benchmarks/RESULTS.md 2026-11-26).
+  // (1.08-1.21x forward, 1.04-1.09x forward+backward, same run) and padded (2x and more) on every
+  // uniform batch measured (H200, benchmarks/RESULTS.md 2026-11-26).
   if (backend == kMlaBackendAuto && varlen_auto && varlen_uniform && uniform && s.dqk == 192 &&
       s.dv == 128) {
     return MlaBackend::kVarlen;

@@ -55,14 +55,16 @@ void check_mla_backward_args(const char* op, const Tensor& grad_out, const Tenso
                              const Tensor& softmax_lse, const Tensor& q, const MlaSizes& s);
 
 // The backend a call runs on (backend: 0 auto, 1 padded, 2 native, 3 varlen). A function of the
-// shapes and of varlen_auto only, so the fake kernel knows the output layout (see the rule at the
-// top of this file). same_offsets: q and kv use one cu_seqlens tensor (self-attention, as Megatron
+// shapes and of varlen_auto / varlen_uniform only, so the fake kernel knows the output layout (see
+// the rule at the top of this file). same_offsets: q and kv use one cu_seqlens tensor (self-attention, as Megatron
 // passes it), which lets the native backend take ragged causal batches (see shares_offsets).
-// varlen_auto: auto may choose the varlen backend (for batches that are not uniform).
-// varlen_uniform: varlen runs verl_ops' own SM90 forward and backward (with varlen_auto, and
-// neither switched off by VERL_OPS_VARLEN_FORWARD / _BACKWARD): auto then sends uniform batches
-// with MLA's head dims 192 / 128 to varlen too (measured ahead of native and padded on every
-// uniform batch, H200).
+// varlen_auto: auto may choose the varlen backend (for batches that are not uniform; the build has
+// it, cuDNN >= 9.7.0, q on a CUDA device of compute capability 9.x).
+// varlen_uniform: varlen_auto, and the build's own SM90 forward and backward are on (compiled for
+// sm_90a, neither switched off by VERL_OPS_VARLEN_FORWARD / _BACKWARD; process-wide flags, the
+// ones mla_cache_info reports, not a per-device check): auto then sends uniform batches with
+// MLA's head dims 192 / 128 to varlen too (measured ahead of native and padded on every uniform
+// batch, H200).
 MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
                                bool same_offsets, bool varlen_auto, bool varlen_uniform = false);

@@ -9,7 +9,8 @@ Megatron-Core >= 0.16.2 fixed the forward upstream, so the patch applies below t
 Here the same decisions route the THD core attention to :func:`verl_ops.mla_forward_padded`,
 which pads inside one kernel (or not at all on the native and varlen paths) and returns the output
 trimmed without an extra copy. Its ``backend="auto"`` sends ragged THD batches (RL micro-batches)
-to the varlen backend, cuDNN's attention on the packed rows, where the build and the GPU have it:
+to the varlen backend, attention on the packed rows, where the build and the GPU have it (and
+uniform batches too where that backend runs verl_ops' own SM90 kernels):
 
 - :func:`use_mla_thd_path` — the decision (THD, not DSA, one CP rank, causal, no dropout, no
   separate padded offsets).
