@@ -402,6 +402,26 @@ def test_bad_input_raw_op(over, pattern):
         _raw(c, **over)
 
 
+def test_fake_kernel_rejects_the_dtypes_the_op_rejects():
+    """The fake (Meta) kernel checks q's dtype per device as the op does: a float8 batch on the CPU
+    fails under FakeTensorMode (torch.compile's tracing) with the op's message, not at run time."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    c = make_case([3, 4], seed=0)
+    q8 = c["q"].to(torch.float8_e4m3fn)
+    k8, v8 = c["k"].to(torch.float8_e4m3fn), c["v"].to(torch.float8_e4m3fn)
+    pattern = "mla_forward_padded: q must be float16, bfloat16, float32 or float64 on the CPU"
+    with pytest.raises(RuntimeError, match=pattern):
+        OPS.mla_forward_padded(q8, k8, v8, c["cu_q"], c["cu_kv"], 4, 4, True, None, 0)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(t) for t in (q8, k8, v8, c["cu_q"], c["cu_kv"])]
+        with pytest.raises(RuntimeError, match=pattern):
+            OPS.mla_forward_padded(*args, 4, 4, True, None, 0)
+        ok = [mode.from_tensor(t) for t in (c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"])]
+        out, _ = OPS.mla_forward_padded(*ok, 4, 4, True, None, 0)
+        assert out.shape == (7, 2, 64)
+
+
 def test_bad_input_backend_and_scale():
     c = make_case([3, 4], seed=0)
     with pytest.raises(RuntimeError, match=r"mla_forward_padded: backend must be 0 \(auto\), 1 \(padded\), 2 \(native\) or 3 \(varlen\), got 7"):
@@ -520,6 +540,22 @@ def test_cuda_auto_uniform_where_measured():
     out.backward(g.to("cuda", torch.bfloat16))
     for name, got, exp in zip("qkv", (q.grad, k.grad, v.grad), grads):
         assert rel_err(got, exp) < 2 * TOL[torch.bfloat16], name
+
+
+@gpu
+@pytest.mark.gpu
+def test_cuda_fake_kernel_rejects_float32():
+    """On CUDA the op takes float16 / bfloat16 only; the fake kernel says so at trace time too."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    c = make_case([3, 4], dtype=torch.float32, device="cuda", seed=0)
+    pattern = "mla_forward_padded: q must be float16 or bfloat16 on CUDA"
+    with pytest.raises(RuntimeError, match=pattern):
+        OPS.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 4, 4, True, None, 0)
+    with FakeTensorMode() as mode:
+        args = [mode.from_tensor(c[n]) for n in ("q", "k", "v", "cu_q", "cu_kv")]
+        with pytest.raises(RuntimeError, match=pattern):
+            OPS.mla_forward_padded(*args, 4, 4, True, None, 0)
 
 
 @gpu

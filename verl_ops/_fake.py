@@ -393,6 +393,14 @@ def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
            f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     _check(k.device == q.device and v.device == q.device, op,
            f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
+    # The dtypes the op's kernels take on the device (prepare_mla in csrc/ops/mla_ops.cpp): traced
+    # code fails here, as the op would at run time.
+    if q.device.type == "cuda":
+        _check(q.dtype in (torch.float16, torch.bfloat16), op,
+               f"q must be float16 or bfloat16 on CUDA, got {q.dtype}")
+    elif q.device.type == "cpu":
+        _check(q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64), op,
+               f"q must be float16, bfloat16, float32 or float64 on the CPU, got {q.dtype}")
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
         _check(cu.dtype == torch.int32, op, f"{name} must be int32, got {cu.dtype}")
         _check(cu.dim() == 1, op, f"{name} must be 1-D [B + 1], got {cu.dim()} dims")
