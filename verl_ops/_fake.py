@@ -371,6 +371,12 @@ def _varlen_auto(device: torch.device) -> bool:
     return _VARLEN_DEVICES[index]
 
 
+def _auto_flags(device: torch.device) -> tuple:
+    """(varlen_auto, varlen_uniform) for resolve_mla_backend, as prepare_mla computes them."""
+    varlen_auto = _varlen_auto(device)
+    return varlen_auto, varlen_auto and _VARLEN_OWN
+
+
 def _shares_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
     """One offsets tensor for q and kv: the same tensor, or views of one storage at one offset
     with one shape (mirrors shares_offsets in csrc/ops/mla_ops.cpp)."""
@@ -477,8 +483,7 @@ def _mla_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_se
     op = "mla_forward_padded"
     s = _mla_sizes(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale)
     b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
-                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), _varlen_auto(q.device),
-                     _varlen_auto(q.device) and _VARLEN_OWN)
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), *_auto_flags(q.device))
     tq, tk, hq, hk, dqk, dv, _ = s
     return _mla_rows(q, b, tq, hq, dv, dqk), q.new_empty((hq, tq), dtype=_lse_dtype(q))
 
@@ -500,8 +505,7 @@ def _mla_backward_fake(grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seq
     torch._check(softmax_lse.shape[0] == hq and softmax_lse.shape[1] == tq,
                  lambda: f"{op}: softmax_lse must be [Hq, Tq] = [{hq}, {tq}]")
     b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
-                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), _varlen_auto(q.device),
-                     _varlen_auto(q.device) and _VARLEN_OWN)
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), *_auto_flags(q.device))
     return q.new_empty((tq, hq, dqk)), k.new_empty((tk, hk, dqk)), _mla_rows(v, b, tk, hk, dv, dqk)
 
 

@@ -115,26 +115,6 @@ __device__ __forceinline__ void red_add4(float* addr, float4 v) {
 #endif
 }
 
-// D[64x64] (+)= A[64x16] (shared, MN-major) * B[16x64] (shared, MN-major).
-template <bool kHalf>
-__device__ __forceinline__ void wgmma_ss_n64_tt(float (&d)[32], uint64_t da, uint64_t db, int accumulate) {
-  if constexpr (kHalf) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(accumulate));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n"
-        "}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
-        : "l"(da), "l"(db), "r"(accumulate));
-  }
-}
-
 // D[64x32] (+)= A[64x16] (shared, MN-major) * B[16x32] (shared, MN-major).
 template <bool kHalf>
 __device__ __forceinline__ void wgmma_ss_n32_tt(float (&d)[16], uint64_t da, uint64_t db, int accumulate) {
@@ -339,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       wgmma_fence();
 #pragma unroll
       for (int k = 0; k < kBN / 16; ++k)
-        wgmma_ss_n64_tt<kHalf>(qa, desc_at(ds_a, (k * 2048) >> 4), desc_at(dk_b0, (k * 2048) >> 4), k > 0);
+        wgmma_ss_n64<kHalf, 1>(qa, desc_at(ds_a, (k * 2048) >> 4), desc_at(dk_b0, (k * 2048) >> 4), k > 0);
 #pragma unroll
       for (int k = 0; k < kBN / 16; ++k)
         wgmma_ss_n32_tt<kHalf>(qb, desc_at(ds_a, (k * 2048) >> 4), desc_at(dk_b1, (k * 2048) >> 4), k > 0);

@@ -48,6 +48,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 
 namespace verl_ops {
 namespace cuda {
@@ -314,8 +315,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   float m0, m1, l0, l1;
   int lk = 0, row0 = 0, row1 = 0, shift = 0, m_block = 0;
 
-  // S = Q K^T for the key tile of stage s, issued (not waited for).
-  auto issue_s = [&](int stage) {
+  // S = Q K^T for the key tile of stage s, issued (not waited for): over its 128 keys, or (half_c
+  // true) over its first 64 only, into columns 0-63 of sacc (the mask sets the others): for a
+  // warpgroup whose rows see none of the last 64 keys of its first key tile (see the loop).
+  auto issue_s = [&](int stage, auto half_c) {
     const int s = __shfl_sync(0xffffffffu, stage, 0);  // warp-uniform (see warp_group)
     // One descriptor per operand, the k-steps as constant offsets of its address field (in 16 B
     // units; shared addresses stay below 2^18, so the field never carries into the next one).
@@ -325,23 +328,13 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int kk = 0; kk < kDqk / 16; ++kk) {
       const uint32_t chunk = kk / 4, off = (kk % 4) * 32;
-      wgmma_ss<kHalf>(sacc, desc_at(dq, (chunk * kBM * 128 + off) >> 4),
-                      desc_at(dk, (chunk * kBN * 128 + off) >> 4), kk > 0);
-    }
-    wgmma_commit();
-  };
-  // S over the tile's first 64 keys only (columns 0-63 of sacc; the mask sets the others): for a
-  // warpgroup whose rows see none of the last 64 keys of its first key tile (see the loop).
-  auto issue_s_half = [&](int stage) {
-    const int s = __shfl_sync(0xffffffffu, stage, 0);
-    const uint64_t dq = smem_desc(q_base, 16, 1024);
-    const uint64_t dk = smem_desc(base + kSmemK + s * kKBytes, 16, 1024);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kDqk / 16; ++kk) {
-      const uint32_t chunk = kk / 4, off = (kk % 4) * 32;
-      wgmma_ss_n64<kHalf>(reinterpret_cast<float(&)[32]>(sacc), desc_at(dq, (chunk * kBM * 128 + off) >> 4),
-                          desc_at(dk, (chunk * kBN * 128 + off) >> 4), kk > 0);
+      const uint64_t da = desc_at(dq, (chunk * kBM * 128 + off) >> 4);
+      const uint64_t db = desc_at(dk, (chunk * kBN * 128 + off) >> 4);
+      if constexpr (decltype(half_c)::value) {
+        wgmma_ss_n64<kHalf>(reinterpret_cast<float(&)[32]>(sacc), da, db, kk > 0);
+      } else {
+        wgmma_ss<kHalf>(sacc, da, db, kk > 0);
+      }
     }
     wgmma_commit();
   };
@@ -498,17 +491,17 @@ __global__ void __launch_bounds__(kThreads, 1)
           // top-left causal mask; a bottom-right one whose offset lk - lq leaves at most 64 keys
           // of the tile to the warpgroup; a sequence's last key tile of at most 64 keys), its S
           // GEMM covers the first 64 keys only: half the S work of that tile (forward +1-3% on
-          // causal and short batches, RESULTS.md). The whole turn is in each branch: an issue and its wait in
-          // different branches make ptxas serialise every wgmma of the kernel.
+          // causal and short batches, RESULTS.md). The whole turn is in each branch: an issue and
+          // its wait in different branches make ptxas serialise every wgmma of the kernel.
           const int lim = p.causal ? min(lk, m_block * kBM + wg * 64 + 64 + shift) : lk;
           if (__shfl_sync(0xffffffffu, lim <= (n_blocks - 1) * kBN + 64 ? 1 : 0, 0)) {
             sched_sync();
-            issue_s_half(s);
+            issue_s(s, std::true_type{});
             sched_arrive();
             wgmma_wait<0>();
           } else {
             sched_sync();
-            issue_s(s);
+            issue_s(s, std::false_type{});
             sched_arrive();
             wgmma_wait<0>();
           }
@@ -529,7 +522,7 @@ __global__ void __launch_bounds__(kThreads, 1)
           const int s = g % kStages, sp = (g - 1) % kStages;
           mbar_wait(bar_full_k(s), (g / kStages) & 1);
           sched_sync();
-          issue_s(s);
+          issue_s(s, std::false_type{});
           mbar_wait(bar_full_v(sp), ((g - 1) / kStages) & 1);
           issue_pv(sp);
           sched_arrive();

@@ -261,16 +261,13 @@ MlaCall prepare_mla(const char* op, MlaDevice device, const Tensor& q, const Ten
   if (backward != nullptr) {
     check_mla_backward_args(op, backward->grad_out, backward->out, backward->softmax_lse, q, c.s);
   }
-  // auto may pick varlen only on CUDA devices it was measured on, in builds that have it.
-  bool varlen_auto = false;
+  // auto may pick varlen only on CUDA devices it was measured on, in builds that have it; and
+  // send uniform 192 / 128 batches there too where varlen runs the own SM90 kernels (the flags
+  // mla_cache_info reports; verl_ops/_fake.py reads them from it).
+  bool varlen_auto = false, varlen_uniform = false;
 #ifdef VERL_OPS_WITH_CUDNN_FE
   varlen_auto = device == MlaDevice::kCuda && cuda::varlen_auto_device(q.get_device_index()) &&
                 cuda::varlen_cudnn_version() >= cuda::kVarlenAutoMinCudnn;
-#endif
-  // ... and may send uniform 192 / 128 batches there too where varlen runs the own SM90 kernels
-  // (the flags mla_cache_info reports; verl_ops/_fake.py reads them from it).
-  bool varlen_uniform = false;
-#ifdef VERL_OPS_WITH_CUDNN_FE
   varlen_uniform = varlen_auto && cuda::sm90_forward_enabled() && cuda::sm90_backward_enabled();
 #endif
   c.backend = resolve_mla_backend(op, backend, c.s, max_seqlen_q, max_seqlen_kv, causal,

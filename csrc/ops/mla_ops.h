@@ -67,7 +67,7 @@ void check_mla_backward_args(const char* op, const Tensor& grad_out, const Tenso
 // batch, H200).
 MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-                               bool same_offsets, bool varlen_auto, bool varlen_uniform = false);
+                               bool same_offsets, bool varlen_auto, bool varlen_uniform);
 
 // True when a and b are the same offsets: the same first element (data pointer), shape, strides
 // and dtype (no storage API on the stable ABI; the fake kernel compares storage and offset, which
