@@ -209,8 +209,10 @@ def run(rank, world, args, init_file=None):
         device = torch.device("cpu")
     dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=300), **kwargs)
     merge_rows, post_rows = [], []
-    bench_merge(rank, world, device, args, merge_rows)
-    bench_postprocess(rank, world, device, args, post_rows)
+    if args.only in (None, "merge"):
+        bench_merge(rank, world, device, args, merge_rows)
+    if args.only in (None, "post"):
+        bench_postprocess(rank, world, device, args, post_rows)
     if rank == 0:
         dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
         lines = [
@@ -251,6 +253,7 @@ def main():
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="small cases (a smoke test)")
     ap.add_argument("--out", default=None, help="write the markdown table here")
+    ap.add_argument("--only", default=None, choices=["merge", "post"], help="run one of the two tables")
     args = ap.parse_args()
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
