@@ -49,7 +49,7 @@ for name in "${names[@]}"; do
 done
 ab_keep_checked
 SHORT=$(python3 -c "import random; random.seed(1); print(' '.join(str(random.randint(64, 1024)) for _ in range(64)))")
-batches=("rl-H16|16 1 0 20 rl 7" "rl-H128|128 1 0 5 rl 7" "4x4096|16 1 0 20 4096 4096 4096 4096"
+batches=("rl-H16|16 1 0 20 rl 7" "rl-H128|128 1 0 ${H128_REPS:-5} rl 7" "4x4096|16 1 0 20 4096 4096 4096 4096"
          "4x4096full|16 0 0 20 4096 4096 4096 4096"
          "1x16384|16 1 0 20 16384" "64short|16 1 0 20 $SHORT")
 : > "$DIR/times.txt"

@@ -41,7 +41,7 @@ for name in "${names[@]}"; do
 done
 ab_keep_checked
 SHORT=$(python3 -c "import random; random.seed(1); print(' '.join(str(random.randint(64, 1024)) for _ in range(64)))")
-batches=("rl-H16|16 1 0 10 rl 7" "rl-H128|128 1 0 3 rl 7" "4x4096|16 1 0 10 4096 4096 4096 4096"
+batches=("rl-H16|16 1 0 10 rl 7" "rl-H128|128 1 0 ${H128_REPS:-3} rl 7" "4x4096|16 1 0 10 4096 4096 4096 4096"
          "1x16384|16 1 0 10 16384" "16x1024|16 1 0 10 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024 1024"
          "64short|16 1 0 10 $SHORT")
 : > "$DIR/times.txt"
