@@ -49,7 +49,7 @@ def make_venv(path: Path, torch_version: str) -> Path:
     py = path / "bin" / "python"
     run([py, "-m", "pip", "install", "-q", "--upgrade", "pip"], check=True)
     run([py, "-m", "pip", "install", "-q", f"torch=={torch_version}", "numpy", "pytest", "pytest-timeout",
-         "setuptools>=70", "wheel", "ninja"], check=True)
+         "setuptools>=77", "wheel", "ninja"], check=True)
     return py
 
 
