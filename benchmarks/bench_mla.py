@@ -106,10 +106,22 @@ def time_cuda(fn, reps, warmup=3):
     return device_time(lambda i: fn(), torch.device("cuda"), n=reps, warmup=warmup)
 
 
-def matmul_tflops(reps):
+def sustain(fn, seconds):
+    """Run fn back to back for `seconds` (then wait for it): the GPU reaches the clock it holds under
+    sustained load (on an H200 at its 700 W cap ~1.55 GHz instead of 1.98) before a timing starts,
+    as in a training step, instead of timing a short burst at boost clocks."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        fn()
+        torch.cuda.synchronize()
+
+
+def matmul_tflops(reps, sustain_s=0.0):
     n = 8192
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    if sustain_s:
+        sustain(lambda: a @ b, sustain_s)
     t = time_cuda(lambda: a @ b, reps)
     return 2 * n**3 / t / 1e12
 
@@ -214,7 +226,8 @@ def reference_tail(q, k, v, s0, seqlen, scale, rows=128):
     return (scores.softmax(-1) @ vs).transpose(0, 1)
 
 
-def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, reverse=False, cooldown=0.0):
+def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, reverse=False, cooldown=0.0,
+              sustain_s=0.0):
     t = sum(lengths)
     scale = 1.0 / math.sqrt(DQK)
     q = torch.randn(t, heads, DQK, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -253,6 +266,8 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, r
             if cooldown:
                 time.sleep(cooldown)
             with torch.no_grad():
+                if sustain_s:
+                    sustain(lambda: fn(q, k, v), sustain_s)
                 row["fwd_s"] = time_cuda(lambda: fn(q, k, v), n, warmup=1 if rep_cap else 3)
             qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
             g = torch.randn(t, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -266,6 +281,8 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, r
             try:
                 if cooldown:
                     time.sleep(cooldown)
+                if sustain_s:
+                    sustain(fwd_bwd, sustain_s)
                 row["all_s"] = time_cuda(fwd_bwd, n, warmup=1 if rep_cap else 3)
                 row["all_tflops"] = f_all / row["all_s"] / 1e12
             except Exception as e:  # forward works, backward does not: report both
@@ -415,6 +432,10 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=1,
                    help="time every method this many times per batch, the methods interleaved (in reverse "
                         "order every other round), and report the median over the rounds (default 1)")
+    p.add_argument("--sustain", type=float, default=0.0,
+                   help="seconds of back-to-back calls before each timing (and before the matmul floor's), so that "
+                        "every method is timed at the clock the GPU holds under sustained load (its power cap) "
+                        "rather than in a short burst at boost clocks (default 0: bursts)")
     p.add_argument("--cooldown", type=float, default=0.0,
                    help="seconds of idle GPU before each timing (same starting clocks for every method)")
     p.add_argument("--methods", default=None,
@@ -432,9 +453,10 @@ def main(argv=None):
         return 1
     reps = args.reps or (5 if args.quick else 30)
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
-    floor = matmul_tflops(reps)
+    floor = matmul_tflops(reps, args.sustain)
     dev = torch.cuda.get_device_name()
-    print(f"device {dev}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16 matmul floor {floor:.0f} TFLOP/s")
+    print(f"device {dev}, torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, bf16 matmul floor {floor:.0f} TFLOP/s"
+          + (f" (after {args.sustain:g} s sustained)" if args.sustain else ""))
     print(f"fa4 varlen: {'flash-attn-4 importable' if fa4_varlen() else 'flash-attn-4 not importable'}")
     print(f"varlen sequence order (VERL_OPS_VARLEN_ORDER): {os.environ.get('VERL_OPS_VARLEN_ORDER', 'largest_first')}")
     only = None
@@ -454,7 +476,7 @@ def main(argv=None):
     for label, lengths, heads in todo:
         if args.rounds > 1:
             rounds = [run_batch(label, lengths, heads, reps, floor, gen, only, quiet=True, reverse=r % 2 == 1,
-                                cooldown=args.cooldown)
+                                cooldown=args.cooldown, sustain_s=args.sustain)
                       for r in range(args.rounds)]
             rows = merge_rounds(rounds, *flops(lengths, heads))  # round 0's order: make_methods'
             for r in rows:
@@ -462,7 +484,8 @@ def main(argv=None):
                 print(fmt_row(label, r, floor) + (f" <!-- {args.rounds} rounds{spread} -->" if spread else ""),
                       flush=True)
         else:
-            rows = run_batch(label, lengths, heads, reps, floor, gen, only, cooldown=args.cooldown)
+            rows = run_batch(label, lengths, heads, reps, floor, gen, only, cooldown=args.cooldown,
+                             sustain_s=args.sustain)
         results.append((label, rows))
     print(f"varlen plan cache: {verl_ops.mla_cache_info()}")
     lines = summary(results)
@@ -477,6 +500,9 @@ def main(argv=None):
                 f.write(f"- {args.rounds} rounds per batch, the methods interleaved (reversed every other round), "
                         f"{args.cooldown:g} s idle before each timing; each time is the median over the rounds "
                         "(max / min of the rounds after the row)\n")
+            if args.sustain:
+                f.write(f"- {args.sustain:g} s of back-to-back calls before each timing (and the matmul floor): "
+                        "times at the sustained clock\n")
             f.write(f"- varlen sequence order: {os.environ.get('VERL_OPS_VARLEN_ORDER', 'largest_first')}\n")
             for label, lengths, heads in todo:
                 if len(set(lengths)) > 1:
