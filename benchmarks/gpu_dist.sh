@@ -11,9 +11,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-START=$(date +%s); DEADLINE="${DEADLINE:-560}"
-left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
-step() { echo; echo "=== $1 (t=$(( $(date +%s) - START )) s, $(left) s left)"; }
+DEADLINE="${DEADLINE:-560}"
+source benchmarks/deadline_lib.sh  # START, left, cap, step
 NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
 VERSIONS_DIR="${VERSIONS_DIR:-.dcp_versions}"
 
@@ -22,13 +21,13 @@ step "device"
 
 step "build"
 VERL_OPS_NO_CUDNN_FE=1 MAX_JOBS="${MAX_JOBS:-32}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
-  timeout 300 python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  timeout "$(cap 300)" python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import verl_ops; assert verl_ops.cuda_available(); print('verl_ops', verl_ops.__file__)" || exit 1
 
 if [ "${TESTS:-1}" = 1 ]; then
 step "tests: NCCL and CUDA cases of the distributed / merge tests"
-timeout "${TEST_TIMEOUT:-200}" python3 -m pytest tests/test_distributed.py tests/test_merge_ops.py -q -p no:cacheprovider \
+timeout "$(cap "${TEST_TIMEOUT:-200}")" python3 -m pytest tests/test_distributed.py tests/test_merge_ops.py -q -p no:cacheprovider \
   -k "nccl or cuda" > "$OUT/tests.log" 2>&1
 grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20; tail -1 "$OUT/tests.log"
 fi
@@ -37,18 +36,18 @@ cp verl_ops/dynamic_cp.py "$OUT/now.py.bak"
 restore() { cp "$OUT/now.py.bak" verl_ops/dynamic_cp.py; }
 trap restore EXIT
 step "bench_dist --nproc $NPROC (current code, both tables)"
-timeout "$(( $(left) - 20 ))" python3 benchmarks/bench_dist.py --nproc "$NPROC" --out "$OUT/dist${NPROC}_now.md" > "$OUT/dist${NPROC}_now.log" 2>&1 \
+timeout "$(cap 400)" python3 benchmarks/bench_dist.py --nproc "$NPROC" --out "$OUT/dist${NPROC}_now.md" > "$OUT/dist${NPROC}_now.log" 2>&1 \
   || tail -20 "$OUT/dist${NPROC}_now.log"
 for v in ${VERSIONS:-}; do
   step "bench_dist --only merge with $v"
   cp "$VERSIONS_DIR/$v.py" verl_ops/dynamic_cp.py
-  timeout "$(( $(left) - 20 ))" python3 benchmarks/bench_dist.py --nproc "$NPROC" --only merge --out "$OUT/dist${NPROC}_$v.md" \
+  timeout "$(cap 300)" python3 benchmarks/bench_dist.py --nproc "$NPROC" --only merge --out "$OUT/dist${NPROC}_$v.md" \
     > "$OUT/dist${NPROC}_$v.log" 2>&1 || tail -20 "$OUT/dist${NPROC}_$v.log"
   restore
 done
 if [ -n "${VERSIONS:-}" ]; then
   step "bench_dist --only merge, current code again"
-  timeout "$(( $(left) - 5 ))" python3 benchmarks/bench_dist.py --nproc "$NPROC" --only merge --out "$OUT/dist${NPROC}_now2.md" \
+  timeout "$(cap 300)" python3 benchmarks/bench_dist.py --nproc "$NPROC" --only merge --out "$OUT/dist${NPROC}_now2.md" \
     > "$OUT/dist${NPROC}_now2.log" 2>&1 || tail -20 "$OUT/dist${NPROC}_now2.log"
 fi
 step "done"

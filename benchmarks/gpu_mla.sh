@@ -17,12 +17,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-START=$(date +%s)
 DEADLINE="${DEADLINE:-420}"
-left() { echo $(( DEADLINE - ($(date +%s) - START) )); }
-# cap SECONDS: the smaller of SECONDS and the time left before the deadline (at least 10).
-cap() { local l; l=$(left); [ "$l" -lt "$1" ] && echo $(( l > 10 ? l : 10 )) || echo "$1"; }
-step() { echo; echo "=== $1 (t=$(( $(date +%s) - START )) s, $(left) s left)"; }
+source benchmarks/deadline_lib.sh  # START, left, cap, step
 STEPS=" ${STEPS:-build smoke tests sanitizer bench} "
 want() { [[ "$STEPS" == *" $1 "* ]]; }
 
