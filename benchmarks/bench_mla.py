@@ -250,6 +250,14 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, r
     # clocks.
     if reverse:
         todo.reverse()
+
+    def settle(fn):
+        """Before a timing: the idle cooldown, then the sustained run (either may be 0)."""
+        if cooldown:
+            time.sleep(cooldown)
+        if sustain_s:
+            sustain(fn, sustain_s)
+
     for name, (fn, rep_cap) in todo:
         n = min(reps, rep_cap) if rep_cap else reps
         row = {"method": name}
@@ -263,11 +271,8 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, r
             row["rel_err"] = err
             if not err < 2e-2:
                 raise RuntimeError(f"output mismatch: relative error {err:.3g}")
-            if cooldown:
-                time.sleep(cooldown)
             with torch.no_grad():
-                if sustain_s:
-                    sustain(lambda: fn(q, k, v), sustain_s)
+                settle(lambda: fn(q, k, v))
                 row["fwd_s"] = time_cuda(lambda: fn(q, k, v), n, warmup=1 if rep_cap else 3)
             qg, kg, vg = (x.detach().requires_grad_(True) for x in (q, k, v))
             g = torch.randn(t, heads, DV, device="cuda", dtype=torch.bfloat16, generator=gen)
@@ -279,10 +284,7 @@ def run_batch(label, lengths, heads, reps, floor, gen, only=None, quiet=False, r
 
             row["fwd_tflops"] = f_fwd / row["fwd_s"] / 1e12
             try:
-                if cooldown:
-                    time.sleep(cooldown)
-                if sustain_s:
-                    sustain(fwd_bwd, sustain_s)
+                settle(fwd_bwd)
                 row["all_s"] = time_cuda(fwd_bwd, n, warmup=1 if rep_cap else 3)
                 row["all_tflops"] = f_all / row["all_s"] / 1e12
             except Exception as e:  # forward works, backward does not: report both
