@@ -7,9 +7,9 @@ CPU: backend="varlen" runs the exact reference; the plan-cache counters; the aut
 mirror. GPU (``gpu`` marker): outputs, log-sum-exp and q/k/v gradients within bf16 / fp16 bounds
 on ragged batches (lengths 0, 1, 2, 127, 128, 129, 4096, 8192), causal and not, q / kv lengths that
 differ, grouped heads, Dv != Dqk and Dv == Dqk; 64 seeded random RL-like batches (random_batch:
-mixed lengths, cross attention, grouped heads, dtypes, scales, varlen and auto); the plan cache reused within a bucket; CUDA-graph
-capture and replay of forward + backward; bad input; auto and the Megatron patch on ragged
-batches."""
+mixed lengths, cross attention, grouped heads, dtypes, scales, varlen and auto); the plan cache
+reused within a bucket; CUDA-graph capture and replay of forward + backward; bad input; auto and
+the Megatron patch on ragged batches."""
 
 from __future__ import annotations
 
@@ -314,7 +314,8 @@ def random_batch(seed):
         if kv_lengths is not None:
             kv_lengths[i] = rng.randint(1500, 3000)
     hq, hk = rng.choice([(1, 1), (2, 2), (4, 1), (6, 3), (8, 8), (16, 4)])
-    kwargs = dict(lengths=lengths, kv_lengths=kv_lengths, hq=hq, hk=hk, dtype=rng.choice([torch.bfloat16, torch.float16]), seed=1000 + seed)
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    kwargs = dict(lengths=lengths, kv_lengths=kv_lengths, hq=hq, hk=hk, dtype=dtype, seed=1000 + seed)
     return kwargs, rng.random() < 0.7, rng.choice([None, None, 0.05]), rng.choice(["varlen", "varlen", "auto"])
 
 
