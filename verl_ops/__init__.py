@@ -10,6 +10,7 @@ from . import _library  # noqa: F401  (loads _C, and _C_layers under torch >= 2.
 from . import _fake  # noqa: F401  (fake / Meta kernels)
 from ._jagged import jagged_gather, jagged_scatter
 from ._mla import mla_cache_info, mla_forward_padded
+from ._mla_cp import mla_cp_attention
 from ._thd import postprocess_thd, preprocess_thd
 from .dynamic_cp import DynamicCPGroups, DynamicCPPlan, dynamic_cp_merge, dynamic_cp_split, plan_dynamic_cp
 from .layout import ThdLayout
@@ -32,6 +33,7 @@ __all__ = [
     "scatter_router_topk",
     "mla_forward_padded",
     "mla_cache_info",
+    "mla_cp_attention",
     "cuda_available",
     "__version__",
 ]

@@ -1,24 +1,21 @@
-"""Megatron-Core MLA on the THD path without padding V to the query head dim.
+"""Megatron-Core MLA on verl_ops' attention kernels, with the value head dim kept native.
 
-verl patches ``MultiLatentAttention.forward`` so that, for packed (``qkv_format == "thd"``)
-batches, V ``[t, n, 128]`` is zero-padded to the query/key head dim (192), attention runs, and the
-output is trimmed back — except for the DSA variant (``config.experimental_attention_variant ==
-"dsa"``), which is never padded, and configs without that attribute count as "no variant".
-Megatron-Core >= 0.16.2 fixed the forward upstream, so the patch applies below that version only.
+MLA's query/key head dim (192) differs from its value head dim (128). verl patches
+``MultiLatentAttention.forward`` so that, for packed (THD) batches, V is zero-padded to 192,
+attention runs, and the output is trimmed back; megatron-core >= 0.18 does the same pad itself
+(``_prepare_mla_core_attention_value``); 0.16.2-0.17.x do neither. Without TransformerEngine,
+Megatron's ``DotProductAttention`` does not take THD batches at all.
 
-Here the same decisions route the THD core attention to :func:`verl_ops.mla_forward_padded`,
-which pads inside one kernel (or not at all on the native and varlen paths) and returns the output
-trimmed without an extra copy. Its ``backend="auto"`` sends ragged THD batches (RL micro-batches)
-to the varlen backend, attention on the packed rows, where the build and the GPU have it (and
-uniform batches too where that backend runs verl_ops' own SM90 kernels):
+Two ways in (docs/megatron.md):
 
-- :func:`use_mla_thd_path` — the decision (THD, not DSA, one CP rank, causal, no dropout, no
-  separate padded offsets).
-- :func:`mla_thd_core_attention` — the call, returning ``[t, n * Dv]`` like TransformerEngine's
-  THD attention.
-- :func:`apply_patch` — installs it on ``MultiLatentAttention`` (Megatron-Core < 0.16.2 only;
-  megatron is imported only here). Calls the op does not take (context parallel, dropout, other
-  variants) go to Megatron's core attention with verl's padding of V (none for DSA).
+- :class:`MLACoreAttention` — a core-attention module for Megatron's layer specs (THD, BSHD,
+  context parallel incl. dynamic CP), put in place by :func:`install` (``install(spec)``), which also
+  makes MultiLatentAttention hand it the native V where it would pad it, and fixes what breaks
+  megatron-core without TransformerEngine (:mod:`verl_ops.integrations.megatron_compat`).
+- :func:`apply_patch` — for specs that keep their own core attention (TransformerEngine's): routes
+  THD calls that :func:`use_mla_thd_path` accepts to :func:`mla_thd_core_attention`, and everything
+  else to the spec's attention with verl's padding of V. Applies on every megatron-core version
+  (decided by the feature, :func:`mla_pads_value_itself`, not by the version number).
 """
 
 from __future__ import annotations
@@ -28,6 +25,8 @@ import math
 import torch
 
 _PATCHED_ATTR = "_verl_ops_mla_patched"
+# A core attention with this attribute True takes V with its native head dim (no pad to Dqk).
+NATIVE_VALUE_ATTR = "takes_native_mla_value"
 _FIXED_UPSTREAM = (0, 16, 2)
 
 
@@ -126,9 +125,20 @@ def _megatron_core_attention(original, config, query, key, value, *args, packed_
     dqk, dv = query.shape[-1], value.shape[-1]
     if dv >= dqk:
         return original(query, key, value, *args, packed_seq_params=packed_seq_params, **kwargs)
-    out = original(
-        query, key, torch.nn.functional.pad(value, (0, dqk - dv)), *args, packed_seq_params=packed_seq_params, **kwargs
-    )
+    # TransformerEngine's attention reads the value head dim from this attribute (megatron-core
+    # >= 0.18 sets it the same way around its own pad).
+    core = getattr(original, "__self__", None)
+    saved = getattr(core, "hidden_size_per_attention_head_v", None)
+    if saved is not None:
+        core.hidden_size_per_attention_head_v = dqk
+    try:
+        out = original(
+            query, key, torch.nn.functional.pad(value, (0, dqk - dv)), *args, packed_seq_params=packed_seq_params,
+            **kwargs,
+        )
+    finally:
+        if saved is not None:
+            core.hidden_size_per_attention_head_v = saved
     t, n = value.shape[0], value.shape[1]
     return out.reshape(t, n, dqk)[..., :dv].reshape(*out.shape[:-1], n * dv)
 
@@ -154,20 +164,59 @@ def _wrap_core_attention(mla_module, backend: str) -> None:
 
     core.forward = forward
     setattr(core, _PATCHED_ATTR, True)
+    setattr(core, NATIVE_VALUE_ATTR, True)  # pads V itself where it hands a call back
+
+
+def mla_pads_value_itself(mla_module=None) -> bool:
+    """Whether this megatron-core's ``MultiLatentAttention`` zero-pads V to the query head dim
+    itself on the THD path (module functions ``_prepare_mla_core_attention_value`` /
+    ``_trim_mla_core_attention_output``, megatron-core >= 0.18). Decided by the feature, not the
+    version: 0.16.2-0.17.x have neither that pad nor a fix of their own."""
+    if mla_module is None:
+        from megatron.core.transformer import multi_latent_attention as mla_module
+    return hasattr(mla_module, "_prepare_mla_core_attention_value")
+
+
+def _takes_native_value(core_attention) -> bool:
+    return bool(getattr(core_attention, NATIVE_VALUE_ATTR, False))
+
+
+def _install_value_pad_bypass(mla_module) -> bool:
+    """Where MultiLatentAttention pads V itself, hand core attentions that take the native V
+    (:class:`MLACoreAttention`, or one wrapped by :func:`apply_patch`) V as it is: no pad before,
+    no trim after. Every other core attention keeps Megatron's pad."""
+    if not mla_pads_value_itself(mla_module):
+        return False
+    original = mla_module._prepare_mla_core_attention_value
+    if getattr(original, _PATCHED_ATTR, False):
+        return True
+
+    def prepare(parallel_attention, query, value, packed_seq_params):
+        if value is not None and _takes_native_value(getattr(parallel_attention, "core_attention", None)):
+            dv = value.shape[-1]
+            return value, False, dv, dv
+        return original(parallel_attention, query, value, packed_seq_params)
+
+    setattr(prepare, _PATCHED_ATTR, True)
+    prepare.__wrapped__ = original
+    mla_module._prepare_mla_core_attention_value = prepare
+    return True
 
 
 def apply_patch(backend: str = "auto") -> bool:
-    """Route THD MLA core attention of every ``MultiLatentAttention`` to ``mla_forward_padded``.
+    """Route THD MLA core attention of every ``MultiLatentAttention`` to ``mla_forward_padded``,
+    for users who keep their spec's core attention (TransformerEngine's, say).
 
-    Applies only for Megatron-Core < 0.16.2 (later versions handle Dv != Dqk themselves); returns
-    whether the patch is installed. Idempotent. The DSA variant and every case that
-    :func:`use_mla_thd_path` rejects keep Megatron's own core attention.
+    Applies on every megatron-core: where MultiLatentAttention pads V itself (>= 0.18, see
+    :func:`mla_pads_value_itself`) the pad is skipped for the wrapped core attention, which pads
+    V itself where it hands a call back to Megatron's attention. Returns True once installed.
+    Idempotent. The DSA variant and every case that :func:`use_mla_thd_path` rejects keep
+    Megatron's own core attention.
     """
-    import megatron.core
-    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+    from megatron.core.transformer import multi_latent_attention as mla_module
 
-    if not needs_forward_patch(getattr(megatron.core, "__version__", "0")):
-        return False
+    MultiLatentAttention = mla_module.MultiLatentAttention
+    _install_value_pad_bypass(mla_module)
     if getattr(MultiLatentAttention, _PATCHED_ATTR, False):
         return True
     original_forward = MultiLatentAttention.forward
@@ -180,3 +229,266 @@ def apply_patch(backend: str = "auto") -> bool:
     MultiLatentAttention._verl_ops_original_forward = original_forward
     setattr(MultiLatentAttention, _PATCHED_ATTR, True)
     return True
+
+
+# --------------------------------------------------------------------------------------------
+# A core-attention module for Megatron's layer specs
+# --------------------------------------------------------------------------------------------
+
+
+def _cp_group_of(packed_seq_params, pg_collection):
+    """The CP group of this call: dynamic CP's per-micro-batch group (``packed_seq_params.cp_group``
+    with ``local_cp_size``) first, then the module's ``pg_collection.cp``, then Megatron's global
+    CP group; ``None`` without CP."""
+    local = getattr(packed_seq_params, "local_cp_size", None) if packed_seq_params is not None else None
+    group = getattr(packed_seq_params, "cp_group", None) if packed_seq_params is not None else None
+    if local is not None and int(local) <= 1:
+        return None
+    if group is not None:
+        return group
+    group = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+    if group is None:
+        try:
+            from megatron.core import parallel_state
+
+            group = parallel_state.get_context_parallel_group(check_initialized=False)
+        except Exception:  # not initialised (single process): no context parallelism
+            group = None
+    return group
+
+
+def _host_max(cu: torch.Tensor) -> int:
+    cu = cu.detach().to("cpu", torch.int64)
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
+class MLACoreAttention(torch.nn.Module):
+    """Causal MLA core attention for Megatron-Core layer specs, with the value head dim kept
+    native (192 / 128: no pad of V, no trim of the output).
+
+    A drop-in for ``DotProductAttention`` / ``TEDotProductAttention`` in the ``core_attention``
+    slot of ``MLASelfAttentionSubmodules`` (put it there with :func:`install`), with their
+    constructor as MultiLatentAttention calls it and their forward:
+
+    - THD (``packed_seq_params.qkv_format == "thd"``): q, k ``[t, n, Dqk]``, v ``[t, n, Dv]`` ->
+      ``[t, n * Dv]``. Sequences are the padded offsets (``cu_seqlens_q_padded`` where given, else
+      ``cu_seqlens_q``); verl and Megatron put a sequence's padding after its tokens, so under the
+      causal mask the real tokens' outputs and gradients are exactly those of attention over the
+      real lengths (padding rows attend too, and are never read by a real token).
+    - BSHD / SBHD (no packed params): ``[s, b, n, d]`` -> ``[s, b, n * Dv]``.
+    - Context parallel (the CP group has > 1 rank; dynamic CP's ``packed_seq_params.cp_group``
+      and ``local_cp_size`` per micro-batch): :func:`verl_ops.mla_cp_attention`, K / V all-gathered
+      over the group, ``cp_layout`` zigzag (Megatron's) or contiguous.
+
+    Not supported (a clear error, never a silent difference): masks other than causal, attention
+    dropout while training (verl trains MLA with ``attention_dropout=0``), softmax variants other
+    than vanilla, sliding windows, QK-clip's logit tracking.
+    """
+
+    takes_native_mla_value = True
+
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type,
+        attention_type: str,
+        attention_dropout: float | None = None,
+        softmax_scale: float | None = None,
+        k_channels: int | None = None,
+        v_channels: int | None = None,
+        cp_comm_type: str | None = None,
+        pg_collection=None,
+        *,
+        cp_layout: str = "zigzag",
+        backend: str = "auto",
+    ):
+        super().__init__()
+        self.config = config
+        self.layer_number = max(1, int(layer_number))
+        self.attn_mask_type = attn_mask_type
+        self.attention_type = attention_type
+        self.attention_dropout_p = float(
+            getattr(config, "attention_dropout", 0.0) if attention_dropout is None else attention_dropout
+        ) or 0.0
+        self.k_channels = k_channels if k_channels is not None else getattr(config, "kv_channels", None)
+        self.v_channels = v_channels if v_channels is not None else self.k_channels
+        self.hidden_size_per_attention_head_v = self.v_channels
+        self.softmax_scale = softmax_scale
+        self.cp_comm_type = cp_comm_type
+        self.pg_collection = pg_collection
+        if cp_layout not in ("zigzag", "contiguous"):
+            raise ValueError(f"MLACoreAttention: cp_layout must be 'zigzag' or 'contiguous', got {cp_layout!r}")
+        self.cp_layout = cp_layout
+        self.backend = backend
+        self.current_max_attn_logits = None
+        for name, ok in (
+            ("softmax_type", getattr(config, "softmax_type", "vanilla") in (None, "vanilla")),
+            ("window_size", getattr(config, "window_size", None) is None),
+            ("qk_clip", not getattr(config, "qk_clip", False)),
+        ):
+            if not ok:
+                raise NotImplementedError(
+                    f"MLACoreAttention: config.{name}={getattr(config, name)!r} is not supported "
+                    "(vanilla softmax, no window, no QK-clip); keep Megatron's core attention for it"
+                )
+
+    def _check(self, attn_mask_type):
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        if not _is_causal(mask_type):
+            raise NotImplementedError(
+                f"MLACoreAttention: only causal attention is supported, got attn_mask_type={mask_type}"
+            )
+        if self.training and self.attention_dropout_p > 0.0:
+            raise NotImplementedError(
+                f"MLACoreAttention: attention dropout ({self.attention_dropout_p}) is not supported while "
+                "training; set config.attention_dropout = 0.0 (verl's MLA setting)"
+            )
+
+    def _scale(self, query) -> float:
+        if self.softmax_scale is not None:
+            return float(self.softmax_scale)
+        return 1.0 / math.sqrt(self.k_channels or query.shape[-1])
+
+    def forward(
+        self,
+        query,
+        key,
+        value,
+        attention_mask,
+        attn_mask_type=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        **extra,
+    ):
+        from .._mla_cp import mla_cp_attention
+
+        self._check(attn_mask_type)
+        if attention_bias is not None:
+            raise NotImplementedError("MLACoreAttention: attention_bias is not supported")
+        unknown = {k: v for k, v in extra.items() if v is not None}
+        if unknown:
+            raise TypeError(f"MLACoreAttention.forward: unexpected arguments {sorted(unknown)}")
+        scale = self._scale(query)
+        group = _cp_group_of(packed_seq_params, self.pg_collection)
+        thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
+        if thd:
+            if query.dim() == 4 and query.shape[1] == 1:  # [t, 1, n, d]
+                query, key, value = query.squeeze(1), key.squeeze(1), value.squeeze(1)
+            if query.dim() != 3:
+                raise ValueError(f"MLACoreAttention: THD query must be [t, n, d], got {tuple(query.shape)}")
+            cu = getattr(packed_seq_params, "cu_seqlens_q_padded", None)
+            if cu is None:
+                cu = packed_seq_params.cu_seqlens_q
+            cu_kv = getattr(packed_seq_params, "cu_seqlens_kv_padded", None)
+            if cu_kv is None:
+                cu_kv = packed_seq_params.cu_seqlens_kv
+            if cu_kv is not None and cu_kv is not cu and not torch.equal(cu_kv.to(cu.device), cu):
+                raise ValueError("MLACoreAttention: self-attention needs the same q and kv offsets")
+            max_seqlen = getattr(packed_seq_params, "max_seqlen_q", None)
+            if max_seqlen is not None and not isinstance(max_seqlen, int):
+                max_seqlen = int(max_seqlen)
+            if max_seqlen is None or getattr(packed_seq_params, "cu_seqlens_q_padded", None) is not None:
+                # The padded offsets' longest sequence may exceed max_seqlen_q (the real lengths').
+                max_seqlen = _cached_max(cu)
+            out = mla_cp_attention(
+                query, key, value, cu, max_seqlen,
+                cp_group=group, cp_layout=self.cp_layout, softmax_scale=scale, backend=self.backend,
+            )
+            return out.reshape(out.shape[0], -1)
+        if query.dim() != 4:
+            raise ValueError(f"MLACoreAttention: BSHD query must be [s, b, n, d], got {tuple(query.shape)}")
+        s, b, n = query.shape[0], query.shape[1], query.shape[2]
+        from .._mla_cp import group_size_rank
+
+        cp, _ = group_size_rank(group)
+
+        def rows(x):  # [s, b, h, d] -> [b * s, h, d], sequence-major
+            return x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])
+
+        cu = torch.arange(0, b + 1, dtype=torch.int32, device=query.device) * (s * cp)
+        out = mla_cp_attention(
+            rows(query), rows(key), rows(value), cu, s * cp,
+            cp_group=group, cp_layout=self.cp_layout, softmax_scale=scale, backend=self.backend,
+        )
+        dv = value.shape[-1]
+        return out.reshape(b, s, n * dv).transpose(0, 1).contiguous()
+
+
+_MAX_ATTR = "_verl_ops_max_seqlen"
+
+
+def _cached_max(cu: torch.Tensor) -> int:
+    """The longest sequence of ``cu`` (one host read per offsets tensor, reused by every layer)."""
+    cached = getattr(cu, _MAX_ATTR, None)
+    if cached is not None and cached[0] == cu._version:
+        return cached[1]
+    value = _host_max(cu)
+    try:
+        setattr(cu, _MAX_ATTR, (cu._version, value))
+    except (AttributeError, RuntimeError):
+        pass
+    return value
+
+
+def _is_mla_submodules(obj) -> bool:
+    return all(hasattr(obj, f) for f in ("core_attention", "linear_kv_down_proj", "linear_kv_up_proj"))
+
+
+def use_in_spec(spec, *, cp_layout: str = "zigzag", backend: str = "auto") -> int:
+    """Put :class:`MLACoreAttention` into the ``core_attention`` slot of every MLA self-attention
+    reachable from ``spec`` (a layer spec, a ``TransformerBlockSubmodules``, an MTP block spec,
+    or lists of them). Returns how many slots were set (0: no MLA in the spec)."""
+    import dataclasses
+    import functools
+
+    core = MLACoreAttention
+    if (cp_layout, backend) != ("zigzag", "auto"):
+        core = functools.partial(MLACoreAttention, cp_layout=cp_layout, backend=backend)
+    seen, count = set(), 0
+
+    def walk(obj):
+        nonlocal count
+        if obj is None or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+            return
+        if not dataclasses.is_dataclass(obj):
+            return
+        if _is_mla_submodules(obj):
+            obj.core_attention = core
+            count += 1
+        for f in dataclasses.fields(obj):
+            walk(getattr(obj, f.name, None))
+
+    walk(spec)
+    return count
+
+
+def install(spec=None, *, cp_layout: str = "zigzag", backend: str = "auto"):
+    """Make megatron-core's MLA run on verl_ops' kernels with the native value head dim.
+
+    - Fixes what breaks megatron-core without TransformerEngine where it bites
+      (:func:`verl_ops.integrations.megatron_compat.patch_megatron_core`).
+    - Where MultiLatentAttention pads V itself (>= 0.18), it hands :class:`MLACoreAttention`
+      the native V and takes back ``[t, n * Dv]``: no pad, no trim, no copy.
+    - With ``spec`` (a GPT layer / block / MTP block spec), puts :class:`MLACoreAttention` into
+      its MLA core-attention slots (:func:`use_in_spec`) and returns the spec.
+
+    Idempotent. Imports megatron-core.
+    """
+    from megatron.core.transformer import multi_latent_attention as mla_module
+
+    try:
+        from .megatron_compat import patch_megatron_core
+    except ImportError:
+        patch_megatron_core = None
+    if patch_megatron_core is not None:
+        patch_megatron_core()
+    _install_value_pad_bypass(mla_module)
+    if spec is not None:
+        use_in_spec(spec, cp_layout=cp_layout, backend=backend)
+    return spec
