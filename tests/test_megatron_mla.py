@@ -154,11 +154,73 @@ def test_fallback_pads_v_like_verl(monkeypatch):
     assert torch.equal(out, torch.full((7, 1, 2 * 16), 7.0))  # trimmed back to Dv per head
 
 
-def test_no_patch_from_0_16_2(monkeypatch):
-    _, MLA = _install(monkeypatch, "0.16.2")
-    before = MLA.forward
-    assert mm.apply_patch() is False
-    assert MLA.forward is before
+def test_patch_applies_where_mla_does_not_pad_v(monkeypatch):
+    """0.16.2-0.17.x neither pad V nor fix it: the gate is the feature, not the version."""
+    _, MLA = _install(monkeypatch, "0.17.0")
+    monkeypatch.setattr(MLA, "forward", MLA.forward)
+    assert not mm.mla_pads_value_itself()
+    assert mm.apply_patch() is True
+    c = make_case([3, 4], dqk=24, dv=16)
+    module = MLA(SimpleNamespace())
+    module(c["q"], c["k"], c["v"], packed_seq_params=_thd_params(c))
+    assert module.core_attention.calls == []
+
+
+def _install_padding_mla(monkeypatch, version="0.19.2"):
+    """A stand-in for megatron-core >= 0.18, whose MultiLatentAttention pads V to the query head
+    dim itself through module functions before calling its core attention."""
+    cfg, MLA = _install(monkeypatch, version)
+    mod = sys.modules["megatron.core.transformer.multi_latent_attention"]
+
+    def _prepare_mla_core_attention_value(parallel_attention, query, value, packed_seq_params):
+        dv = value.shape[-1]
+        need = packed_seq_params is not None and packed_seq_params.qkv_format == "thd" and query.shape[-1] != dv
+        if need:
+            value = torch.nn.functional.pad(value, [0, query.shape[-1] - dv])
+        return value, need, dv, value.shape[-1]
+
+    def _trim_mla_core_attention_output(out, need, dv, padded):
+        if need:
+            out = out.reshape(*out.shape[:-1], -1, padded)[..., :dv]
+        return out
+
+    class PaddingMLA(MLA):
+        def forward(self, query, key, value, packed_seq_params=None, **extra):
+            value, need, dv, padded = mod._prepare_mla_core_attention_value(self, query, value, packed_seq_params)
+            out = self.core_attention(
+                query, key, value, None, packed_seq_params=packed_seq_params, attn_mask_type=AttnMaskType.causal, **extra
+            )
+            out = mod._trim_mla_core_attention_output(out, need, dv, padded)
+            return out.reshape(out.shape[0], 1, -1)
+
+    monkeypatch.setattr(mod, "_prepare_mla_core_attention_value", _prepare_mla_core_attention_value, raising=False)
+    monkeypatch.setattr(mod, "_trim_mla_core_attention_output", _trim_mla_core_attention_output, raising=False)
+    monkeypatch.setattr(mod, "MultiLatentAttention", PaddingMLA)
+    return cfg, PaddingMLA
+
+
+def test_patch_skips_megatrons_own_v_pad(monkeypatch):
+    """Where MultiLatentAttention pads V itself, the patched core attention gets V native (no pad,
+    no trim); a core attention that is not patched keeps Megatron's pad."""
+    _, MLA = _install_padding_mla(monkeypatch)
+    monkeypatch.setattr(MLA, "forward", MLA.forward)
+    assert mm.mla_pads_value_itself()
+    plain = MLA(SimpleNamespace(experimental_attention_variant=None))
+    c = make_case([3, 1, 6], hq=2, hk=2, dqk=24, dv=16, seed=5)
+    plain(c["q"], c["k"], c["v"], packed_seq_params=_thd_params(c))
+    assert plain.core_attention.calls[0]["value_dim"] == 24  # Megatron's pad, untouched before the patch
+    assert mm.apply_patch() is True
+    module = MLA(SimpleNamespace(experimental_attention_variant=None))
+    out = module(c["q"], c["k"], c["v"], packed_seq_params=_thd_params(c))
+    assert module.core_attention.calls == []
+    want = ref_attention(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], True, 0.125)
+    assert out.shape == (10, 1, 2 * 16)
+    assert torch.allclose(out.double(), want.reshape(10, 1, -1), atol=1e-5)
+    # A call the op does not take (another variant) reaches Megatron's attention padded once.
+    other = MLA(SimpleNamespace(experimental_attention_variant="dsv4_hybrid"))
+    out = other(c["q"], c["k"], c["v"], packed_seq_params=_thd_params(c))
+    assert [call["value_dim"] for call in other.core_attention.calls] == [24]
+    assert torch.equal(out, torch.full((10, 1, 2 * 16), 7.0))
 
 
 def test_module_imports_without_megatron(monkeypatch):
