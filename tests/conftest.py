@@ -119,7 +119,7 @@ def scattered_mask(rng: random.Random, lengths, seq_capacity: int) -> torch.Tens
 
 
 class Batch:
-    """One random batch in the three input forms of OPS.md section 2.
+    """One random batch in the three input forms of docs/layout.md#input-forms.
 
     seqs: per-sequence valid tokens [len_i, *F]; values: [total, *F]; offsets: int64 [B + 1];
     padded: [B, S, *F] with random garbage where `mask` [B, S] is false.

@@ -1,4 +1,4 @@
-"""Reference implementations of the THD layout and pack, written from OPS.md (sections 1, 2) only.
+"""Reference implementations of the THD layout and pack, written from docs/layout.md only.
 
 Plain Python / PyTorch, one loop per sequence: slow, short, and meant to be obviously right.
 """
@@ -15,7 +15,7 @@ def _ceil_to(x: int, m: int) -> int:
 
 
 def ref_layout(lengths, tp=1, cp=1, cp_layout="zigzag", fp8=False, min_local_rows=None, bucket=None):
-    """OPS.md section 1, rules 1-6. Returns (cu_seqlens, cu_seqlens_padded) as lists of ints.
+    """docs/layout.md#rules, rules 1-6. Returns (cu_seqlens, cu_seqlens_padded) as lists of ints.
 
     Raises ValueError only where the rules themselves cannot be applied (a bucket <= 0, or an
     empty batch whose "last sequence" would have to be padded). Whether the result is a layout the
@@ -63,7 +63,7 @@ def ref_layout(lengths, tp=1, cp=1, cp_layout="zigzag", fp8=False, min_local_row
 
 
 def layout_is_valid(cu_padded, cp, cp_layout) -> bool:
-    """The invariants the kernels rely on (OPS.md section 1, after rule 7)."""
+    """The invariants the kernels rely on (docs/layout.md#invariants)."""
     padded = [b - a for a, b in zip(cu_padded[:-1], cu_padded[1:])]
     if cp_layout == "zigzag" and cp > 1 and any(p % (2 * cp) for p in padded):
         return False
@@ -71,7 +71,7 @@ def layout_is_valid(cu_padded, cp, cp_layout) -> bool:
 
 
 def ref_pack(seqs, cu_padded, cp, cp_rank, cp_layout, roll, *, feature_shape=None, dtype=None, main_align=None):
-    """OPS.md section 2, pack, with verl's (0.9.1) padding-row and roll rules written procedurally.
+    """docs/layout.md#pack, with verl's (0.9.1) padding-row and roll rules written procedurally.
 
     `seqs[i]` is sequence i's valid tokens, ``[len_i, *F]``. Returns (packed [local_rows, *F],
     position_ids int64 [local_rows]) of rank `cp_rank`.

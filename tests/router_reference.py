@@ -1,4 +1,4 @@
-"""Router replay test cases and references, written from OPS.md sections 1, 2 and 4.
+"""Router replay test cases and references, written from docs/layout.md and docs/router_replay.md.
 
 A case draws every token's routes ``[len_i, L, K]`` (the truth), packs them per CP rank with the
 plain-PyTorch pack of tests/reference.py, and cuts each CP rank's rows into ``tp`` contiguous

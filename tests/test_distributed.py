@@ -805,7 +805,7 @@ def check_hang(rank, world):
 
 
 def ref_contiguous(lengths, dp_size, max_per):
-    """OPS.md section 5 with contiguous blocks whose sizes differ by at most one."""
+    """docs/cp.md#assignment with contiguous blocks whose sizes differ by at most one."""
     lcs = _expected_local_cp(lengths, dp_size, max_per)
     G = dp_size // lcs
     base, rem = divmod(len(lengths), G)

@@ -16,7 +16,7 @@ from the reference layout rules, cp_size 1/2/4, both CP layouts, roll, padded in
 scattered attention mask, several dtypes and feature shapes) with 0-2 random mutations applied
 (bad offsets, wrong dtypes / dims / lengths, non-contiguous or expanded tensors, bad sizes and
 ranks, ...). The verdict does not come from the mutation's label: each op has a *contract check*
-written from OPS.md / the schema comments that looks at the actual arguments and lists what is
+written from docs/ops.md / the schema comments that looks at the actual arguments and lists what is
 wrong with them, and a *reference* (tests/reference.py's layout and pack, router_reference's
 stack) that gives the outputs of a valid call. A mutation that leaves the call valid (a
 non-contiguous copy, an expanded tensor, cp_layout flipped on a layout that is valid both ways,
@@ -209,7 +209,7 @@ def check_offsets_pair(bad: Violations, cu, cup, like, names=("cu_seqlens", "cu_
 
 def check_layout_values(bad: Violations, cu: list, cup: list, cp: int, layout: int, total_padded: int,
                         kind="value", extra_words=()):
-    """OPS.md section 1's invariants on host offsets lists."""
+    """docs/layout.md#invariants on host offsets lists."""
     if cu[0] != 0:
         bad.add(kind, "cu_seqlens", "cu_seqlens must start at 0")
     if cup[0] != 0:

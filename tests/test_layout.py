@@ -1,4 +1,4 @@
-"""ThdLayout.from_lengths against the OPS.md section 1 reference."""
+"""ThdLayout.from_lengths against the docs/layout.md#rules reference."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def test_rejection_happens(rng):
     ],
 )
 def test_worked_examples(lengths, kw, cu_padded):
-    """Hand-computed layouts, so the reference itself is checked against OPS.md."""
+    """Hand-computed layouts, so the reference itself is checked against docs/layout.md#rules."""
     args = (
         kw.get("tp_size", 1),
         kw.get("cp_size", 1),

@@ -1,4 +1,4 @@
-"""mla_forward_padded (OPS.md section 6) against a float64 reference written from the contract:
+"""mla_forward_padded (docs/mla.md#semantics) against a float64 reference written from the contract:
 pad V to Dqk, attend per sequence, trim. CPU: values, gradients, gradcheck, output layout per
 backend, grouped-query heads, unequal q/kv lengths, opcheck, torch.compile, bad input. GPU: every
 backend against the same reference with bf16 / fp16 tolerances, lengths 1..4096."""

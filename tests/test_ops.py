@@ -1,7 +1,7 @@
 """The registered ops of the product card: every name exists in torch.ops.verl_ops; the three
 Python-registered ones (merge_router_topk, dynamic_cp_split, dynamic_cp_merge) pass opcheck
 (schema, fake kernel, autograd registration, AOT dispatch), run under torch.compile(fullgraph=True)
-as one node each, and give what OPS.md says on one process (the multi-rank cases, compiled too,
+as one node each, and give what docs/ops.md says on one process (the multi-rank cases, compiled too,
 are in test_distributed.py)."""
 
 from __future__ import annotations
@@ -185,15 +185,15 @@ def test_thd_layout_info_empty_batch():
     assert both.tolist() == [[0], [0]] and info.tolist() == [-1, 0, 0, 0, 0, 0, 0]
 
 
-def test_readme_op_table_matches_the_registered_schemas():
-    """README's op table lists every registered op with the schema the dispatcher holds."""
+def test_docs_op_table_matches_the_registered_schemas():
+    """docs/ops.md#op-table lists every registered op with the schema the dispatcher holds."""
     import os
     import re
 
     import verl_ops.dynamic_cp  # noqa: F401  (Python-registered ops)
     import verl_ops.router  # noqa: F401
 
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "ops.md")) as f:
         text = f.read()
     documented = {}
     for line in text.splitlines():
@@ -210,5 +210,5 @@ def test_readme_op_table_matches_the_registered_schemas():
     for name in registered:
         schema = str(getattr(ops, name).default._schema)
         want = schema[schema.index("("):]
-        assert name in documented, f"{name} is missing from README's op table"
+        assert name in documented, f"{name} is missing from the op table of docs/ops.md"
         assert documented[name] == want, (name, documented[name], want)

@@ -1,4 +1,4 @@
-"""Router replay (OPS.md section 4): merge_router_topk / scatter_router_topk, their ops, the verl
+"""Router replay (docs/router_replay.md): merge_router_topk / scatter_router_topk, their ops, the verl
 drop-ins, and the layout they share with the model.
 
 Multi-rank gathers are emulated here (every rank's recording is at hand, the gathers are

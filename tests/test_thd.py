@@ -1,6 +1,6 @@
-"""preprocess_thd (pack) and postprocess_thd (unpack) against the OPS.md section 2 reference:
+"""preprocess_thd (pack) and postprocess_thd (unpack) against the docs/layout.md#pack reference:
 property tests, dtypes and feature shapes, roundtrips, autograd, opcheck, torch.compile, CUDA graphs,
-CUDA vs CPU, and the bad-input battery of OPS.md section 7."""
+CUDA vs CPU, and the bad-input battery of docs/ops.md#errors."""
 
 from __future__ import annotations
 
@@ -106,7 +106,8 @@ def test_pack_matches_reference(device, rng, cp_layout, cp, roll, tp, fp8, pad, 
 
 
 def test_reference_zigzag_example():
-    """A hand-written case, so the reference itself is checked against OPS.md (verl's rows)."""
+    """A hand-written case, so the reference itself is checked against verl's rows
+    (docs/layout.md#padding-rows)."""
     seqs = [torch.arange(1, 6), torch.arange(11, 14)]  # lengths 5 and 3
     # cp=2 zigzag: padded 8 and 4, chunks of 2 and 1; local rows 6.
     packed, pos = ref_pack(seqs, [0, 8, 12], 2, 0, "zigzag", False)
@@ -450,7 +451,8 @@ def test_gradcheck_raw_ops(device, roll):
 
 
 def test_pack_backward_is_unpack(device, rng):
-    """OPS.md: pack's backward is an unpack-gather of the gradient (padding rows drop out)."""
+    """docs/layout.md#autograd: pack's backward is an unpack-gather of the gradient (padding rows
+    drop out)."""
     lengths = random_lengths(rng, 6, 4)
     batch = Batch(rng, lengths, (3,), torch.float32)
     layout, _ = make_layout(rng, lengths, cp=2, pad="bucket")
@@ -467,7 +469,8 @@ def test_pack_backward_is_unpack(device, rng):
 
 @pytest.mark.parametrize("masked", [False, True], ids=["jagged", "padded"])
 def test_unpack_backward_is_pack(device, rng, masked):
-    """OPS.md: unpack's backward wrt this rank's shard is the pack of the gradient for this rank."""
+    """docs/layout.md#autograd: unpack's backward wrt this rank's shard is the pack of the gradient
+    for this rank."""
     lengths = random_lengths(rng, 6, 8)
     batch = Batch(rng, lengths, (3,), torch.float32)
     layout, _ = make_layout(rng, lengths, cp=4, cp_layout="zigzag", fp8=True)
@@ -543,7 +546,7 @@ def test_opcheck_postprocess(device):
 )
 def test_opcheck_thd_layout(args):
     """thd_layout is a host op (CPU lengths in, fresh int32 CPU offsets out, not differentiable);
-    OPS.md section 7 still asks for a fake kernel (its output shapes are [B + 1]) and a clean opcheck."""
+    docs/ops.md#every-op still asks for a fake kernel (its output shapes are [B + 1]) and a clean opcheck."""
     torch.library.opcheck(OPS.thd_layout.default, args)
 
 
@@ -649,7 +652,7 @@ def test_compile_nested_input(device, rng):
 
 def test_compile_nested_output(device, rng):
     """postprocess_thd's default output (as_nested=True, a jagged nested tensor) under
-    torch.compile(fullgraph=True): OPS.md section 7 asks for no graph breaks."""
+    torch.compile(fullgraph=True): docs/ops.md#every-op asks for no graph breaks."""
 
     def f(nt, layout):
         packed = torch.stack([preprocess_thd(nt, layout, r)[0] for r in range(layout.cp_size)])
@@ -821,7 +824,7 @@ def test_cuda_matches_cpu_many_sequences(rng, batch):
 
 @pytest.mark.gpu
 def test_cuda_garbage_offsets_do_not_fault():
-    """OPS.md section 7: never a crash or an out-of-bounds access, even with offsets the CUDA path
+    """docs/ops.md#validation: never a crash or an out-of-bounds access, even with offsets the CUDA path
     cannot check without a host synchronisation. The result is unspecified; the device must stay
     healthy."""
     values = torch.randn(10, 4, device="cuda")
@@ -849,7 +852,7 @@ def test_cuda_garbage_offsets_do_not_fault():
 
 
 # --------------------------------------------------------------------------------------------
-# Bad input (OPS.md section 7): a clear RuntimeError / ValueError naming the op and the argument.
+# Bad input (docs/ops.md#errors): a clear RuntimeError / ValueError naming the op and the argument.
 
 
 def bad_case():

@@ -303,7 +303,7 @@ def test_thd_engine_contiguous_roll_per_sequence(mcore):
 def test_thd_engine_zigzag_roll_padding_rows(mcore):
     """cp=2, labels 1..7 (padded to 8), rank 0. verl 0.9.1: [2, 3, 0, 1] (position 6 reads the
     zero at position 7, position 7 wraps to token 0). verl main 1dda039b's test expects
-    [2, 3, 1, 1]: the drop-in follows the verl in use (README, "Decisions"); both rules are
+    [2, 3, 1, 1]: the drop-in follows the verl in use (docs/layout.md#roll-under-verl-main); both rules are
     tested in test_verl_integration.py."""
     mcore.tp, mcore.cp = 1, 2
     x = nested([torch.arange(1, 8)])

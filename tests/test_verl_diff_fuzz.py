@@ -828,7 +828,7 @@ REASONS = {
         "zigzag, cp > 1, min_local_rows / pad_to_length_bucket making the last padded length no "
         "multiple of 2*cp: ours raises RuntimeError('thd_layout_info: ...') in preprocess_thd_engine "
         "where verl returns rows, and ValueError in postprocess_thd_engine where verl raises a "
-        "RuntimeError (README: a documented decision)"
+        "RuntimeError (docs/layout.md#invariants: a documented decision)"
     ),
     "empty_batch_roll": (
         "preprocess_thd_engine(need_roll=True), zigzag, cp > 1, every sequence empty: verl raises "

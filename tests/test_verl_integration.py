@@ -43,7 +43,7 @@ CPS = [1, 2, 4]
 
 
 # --------------------------------------------------------------------------------------------
-# Reference: OPS.md sections 1-2 written out per sequence.
+# Reference: docs/layout.md#rules and docs/layout.md#pack written out per sequence.
 
 
 def ref_padded_lengths(lengths, tp, cp, cp_layout="zigzag", fp8=False, min_local_rows=None, bucket=None):
@@ -854,7 +854,7 @@ class TestRealVerl:
                     continue
                 except RuntimeError:
                     # verl's zigzag slicing fails when FP8 total padding lengthens the last
-                    # sequence past its valid rows (OPS.md section 2); ours is checked against
+                    # sequence past its valid rows (docs/cp.md#zigzag); ours is checked against
                     # the reference in test_preprocess_thd_engine.
                     assert fp8 and cp > 1 and cp_layout == "zigzag"
                     continue
@@ -914,7 +914,7 @@ class TestRealVerl:
                 real_mpu.tp, real_mpu.cp, real_mpu.cp_rank = tp, cp, rank
                 try:
                     theirs, their_psp, their_pos = real_verl.preprocess_thd_engine(x, **kw)
-                except RuntimeError:  # older verl: zigzag slicing past the valid rows (OPS.md section 2)
+                except RuntimeError:  # older verl: zigzag slicing past the valid rows (docs/cp.md#zigzag)
                     assert cp > 1
                     continue
                 ours, our_psp, our_pos = vi.preprocess_thd_engine(x, **kw)

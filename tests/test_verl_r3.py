@@ -1,6 +1,6 @@
 """verl_ops.integrations.verl_r3: the local router padding mask and the R3 replay mask / route
 alignment, against verl's own functions (read from the installed verl 0.9.1 at run time, skipped
-when verl is absent) and against the project's own layout (OPS.md: valid rows of a pack)."""
+when verl is absent) and against the project's own layout (docs/layout.md#pack: valid rows of a pack)."""
 
 from __future__ import annotations
 
@@ -80,8 +80,8 @@ def test_local_padding_mask_errors_match_verl(verl_fns):
 @pytest.mark.parametrize("cp_layout", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
 def test_local_padding_mask_is_the_layouts_padding(cp_layout, cp):
-    """Without verl: the mask is True exactly on the padding rows of this rank's pack (OPS.md
-    sections 1-2), for layouts whose rules are the same (no FP8, tp alignment)."""
+    """Without verl: the mask is True exactly on the padding rows of this rank's pack
+    (docs/layout.md#padding-rows), for layouts whose rules are the same (no FP8, tp alignment)."""
     for lens in MASK_BATCHES:
         for tp in (1, 2):
             layout = verl_ops.ThdLayout.from_lengths(lens, tp_size=tp, cp_size=cp, cp_layout=cp_layout)

@@ -1,5 +1,5 @@
 """Python API of mla_forward_padded: variable-length (THD) attention for Multi-Latent Attention
-head dims (value head dim Dv <= query/key head dim Dqk), with autograd (OPS.md section 6)."""
+head dims (value head dim Dv <= query/key head dim Dqk), with autograd (docs/mla.md#semantics)."""
 
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def mla_forward_padded(
             the first call of a bucket is slow and later ones are not; CUDA-graph capturable once
             the bucket's forward and backward ran eagerly; present in builds made with the
             ``nvidia-cudnn-frontend`` headers, else asking for it on CUDA raises), or ``"auto"``
-            (from GPU measurements, see the README: on Hopper, in builds with ``varlen``, batches
+            (from GPU measurements, see docs/mla.md#auto: on Hopper, in builds with ``varlen``, batches
             that are not uniform run ``varlen``, and uniform 192/128 ones too where it runs
             verl_ops' own SM90 kernels (else those go native where it measured faster); padded
             elsewhere; where flash-attn-4 is installed, eager bf16/fp16 self-attention with head

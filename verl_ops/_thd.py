@@ -229,7 +229,7 @@ def preprocess_thd(
         layout: the micro-batch's :class:`ThdLayout`.
         cp_rank: this rank in the context-parallel group, ``0 <= cp_rank < layout.cp_size``.
         attention_mask: bool ``[B, S]``; valid tokens are ``x[i, attention_mask[i]]`` in order.
-        roll: next-token targets, verl's rule per layout (README, "Decisions"): padded position
+        roll: next-token targets, verl's rule per layout (docs/layout.md#roll): padded position
             p holds token p+1; where the sequence wraps to token 0 and how position ids roll
             follow verl's ``preprocess_thd_engine`` row for row.
         validate: compare the data's per-sequence lengths with the layout (reads them to the host

@@ -24,7 +24,7 @@ import verl_ops
 from verl_ops.timing import format_seconds, wall_time
 
 # --------------------------------------------------------------------------------------------
-# The per-sequence loop (verl's algorithm, written from OPS.md section 2).
+# The per-sequence loop (verl's algorithm, written from docs/layout.md#pack).
 
 
 def loop_pack(get_seq, lengths, cu_padded, local_rows, cp_size, cp_rank, cp_layout, feat, dtype, device):

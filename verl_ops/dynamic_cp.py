@@ -1,4 +1,4 @@
-"""Dynamic context parallel (OPS.md section 5): per micro-batch, choose a CP size from the longest
+"""Dynamic context parallel (docs/cp.md#dynamic-cp): per micro-batch, choose a CP size from the longest
 sequence, divide the batch among the resulting CP groups, and put the groups' outputs back into
 the original sample order.
 

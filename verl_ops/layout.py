@@ -156,7 +156,7 @@ class ThdLayout:
         pad_to_length_bucket: int | None = None,
         device: torch.device | str | None = None,
     ) -> ThdLayout:
-        """Apply verl's THD alignment rules (OPS.md section 1) to per-sequence lengths.
+        """Apply verl's THD alignment rules (docs/layout.md#rules) to per-sequence lengths.
 
         ``lengths`` may be a list of ints, a CPU tensor or a device tensor of an integer dtype
         (read once to the host); every length must be an int in ``[0, 2**31 - 1]`` — floats,

@@ -1,4 +1,4 @@
-"""Router replay (R2/R3) on the model's own THD layout (OPS.md section 4).
+"""Router replay (R2/R3) on the model's own THD layout (docs/router_replay.md).
 
 Megatron's MoE routers record, per layer, the top-k expert ids of the tokens this rank routed:
 ``[T_local_sp, K]`` per layer, where ``T_local_sp = layout.local_rows / tp_size`` is this rank's

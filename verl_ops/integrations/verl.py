@@ -15,7 +15,7 @@ context-parallel world size / rank / group; for dynamic CP, ``local_cp_size`` wi
 ``get_dynamic_data_context_parallel_groups``), exactly where verl reads them. megatron-core is an
 optional dependency: it is imported inside the functions, so importing this module never needs it.
 
-How the drop-ins relate to verl (the project's operator contracts, OPS.md sections 1-2):
+How the drop-ins relate to verl (the project's operator contracts, docs/layout.md):
 
 * The :class:`~verl_ops.ThdLayout` built by a preprocess call is attached to the returned
   ``PackedSeqParams`` as ``packed_seq_params.verl_ops_layout`` and reused by the matching
@@ -28,7 +28,7 @@ How the drop-ins relate to verl (the project's operator contracts, OPS.md sectio
   ``PackedSeqParams`` has that field (verl's legacy path leaves the default, which is zigzag).
 * Every row is verl's, padding rows included: values, ``position_ids`` (0 in padding
   rows except zigzag first-chunk rows) and, with ``need_roll=True``, verl's rolled values and
-  rolled position ids (README, "Decisions"). The native kernels implement verl 0.9.1's rule
+  rolled position ids (docs/layout.md#roll). The native kernels implement verl 0.9.1's rule
   directly. verl main differs from 0.9.1 in the rolled zigzag rows of padded sequences (cp > 1);
   the drop-in follows the verl in use, read from its source (:func:`zigzag_roll_rule`,
   overridable with ``ZIGZAG_ROLL_RULE``), and under main's rule rewrites those rows (at most two
@@ -495,12 +495,12 @@ def preprocess_thd_engine(
         input_ids: jagged nested tensor ``[B, j, *F]``.
         pre_process: pack ``input_ids``; when False returns ``(input_ids, packed_seq_params, None)``.
         need_roll: next-token targets (labels): verl's rolled values and rolled position ids,
-            row for row (README, "Decisions").
-        use_fp8_padding: FP8 alignment rules (OPS.md section 1).
+            row for row (docs/layout.md#roll).
+        use_fp8_padding: FP8 alignment rules (docs/layout.md#fp8-padding).
         local_cp_size: dynamic CP: CP size of this micro-batch; the group comes from
             ``mpu.get_dynamic_data_context_parallel_groups(group_size=local_cp_size)`` and is
             stored in ``packed_seq_params.cp_group`` (with ``local_cp_size``).
-        min_local_rows, pad_to_length_bucket: extra padding of the last sequence (OPS.md section 1).
+        min_local_rows, pad_to_length_bucket: extra padding of the last sequence (docs/layout.md#rules).
         cp_layout: ``"zigzag"`` (default) or ``"contiguous"``; recorded as
             ``packed_seq_params.cp_partition_mode`` when megatron-core has that field (a
             contiguous layout with cp > 1 needs it).
