@@ -8,6 +8,7 @@
 #include "ops/jagged_ops.h"
 #include "ops/merge_ops.h"
 #include "ops/mla_ops.h"
+#include "ops/rope_ops.h"
 #include "ops/router_ops.h"
 #include "ops/stable.h"
 #include "ops/thd_ops.h"
@@ -89,6 +90,16 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
   // sets the cache's capacity first, 0: no limit).
   m.def("mla_cache_info(Tensor like, int capacity=-1) -> Tensor");
   // --- end mla_forward_padded ---
+
+  // --- mla_rope (docs/megatron.md#rope) ---
+  // MLA's rotary embedding of THD rows in one pass, bit-identical to Megatron-Core's elementwise
+  // chain: x [rows, heads, dim] (inner stride 1), cos / sin [table_rows, dim] in x's dtype (already
+  // scaled), positions int64 [rows] (each row's table row). interleaved: MLA's de-interleave of the
+  // rope dims first. backward: the adjoint (grad of the output -> grad of x). Returns [rows, heads, dim].
+  m.def(
+      "mla_rope(Tensor x, Tensor cos, Tensor sin, Tensor positions, bool interleaved=True, "
+      "bool backward=False) -> Tensor");
+  // --- end mla_rope ---
 }
 
 STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
@@ -107,6 +118,7 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   m.impl("mla_forward_padded", VERL_BOX(&verl_ops::ops::mla_forward_padded_cpu));
   m.impl("mla_backward_padded", VERL_BOX(&verl_ops::ops::mla_backward_padded_cpu));
   m.impl("mla_cache_info", VERL_BOX(&verl_ops::ops::mla_cache_info));
+  m.impl("mla_rope", VERL_BOX(&verl_ops::ops::mla_rope_cpu));
 }
 
 #ifdef VERL_OPS_WITH_CUDA
@@ -125,5 +137,6 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   m.impl("mla_backward_padded", VERL_BOX(&verl_ops::ops::mla_backward_padded_cuda));
   // mla_cache_info reads host counters: on CUDA it only reports that `like` must be a CPU tensor.
   m.impl("mla_cache_info", VERL_BOX(&verl_ops::ops::mla_cache_info));
+  m.impl("mla_rope", VERL_BOX(&verl_ops::ops::mla_rope_cuda));
 }
 #endif

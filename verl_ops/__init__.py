@@ -11,6 +11,7 @@ from . import _fake  # noqa: F401  (fake / Meta kernels)
 from ._jagged import jagged_gather, jagged_scatter
 from ._mla import mla_cache_info, mla_forward_padded
 from ._mla_cp import mla_cp_attention
+from ._rope import mla_rope
 from ._thd import postprocess_thd, preprocess_thd
 from .dynamic_cp import DynamicCPGroups, DynamicCPPlan, dynamic_cp_merge, dynamic_cp_split, plan_dynamic_cp
 from .layout import ThdLayout
@@ -34,6 +35,7 @@ __all__ = [
     "mla_forward_padded",
     "mla_cache_info",
     "mla_cp_attention",
+    "mla_rope",
     "cuda_available",
     "__version__",
 ]

@@ -1,17 +1,18 @@
 """MLA attention under context parallelism: all-gather K / V over the CP group, then each rank
 attends its own query chunks on the varlen kernels with the native value head dim.
 
-Layout (verl's and Megatron's THD CP layout, docs/cp.md): ``cu_seqlens_padded`` holds the global
-padded offsets of the micro-batch; sequence ``i`` (padded length ``P_i``) is split into ``2 * cp``
-chunks (zigzag: rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r``, in that order) or ``cp``
-chunks (contiguous: rank ``r`` holds chunk ``r``), and a rank's rows are its chunks of every
-sequence, in sequence order.
+Layouts (docs/cp.md#cp-layouts): ``cu_seqlens_padded`` holds the global padded offsets of the
+micro-batch. Zigzag: sequence ``i`` (padded length ``P_i``, a multiple of ``2 * cp``) is cut into
+``2 * cp`` chunks, rank ``r`` holds chunks ``r`` and ``2 * cp - 1 - r`` of every sequence, in
+sequence order. Contiguous: rank ``r`` holds rows ``[r L, (r + 1) L)`` of the global buffer
+(``L = total / cp``; a sequence may span ranks).
 
-Each query chunk ``m`` of ``c`` rows sees the first ``(m + 1) * c`` keys of its sequence under the
-causal mask; with the bottom-right causal alignment of :func:`mla_forward_padded` that is one
-varlen segment (``c`` queries against a ``(m + 1) * c``-key prefix), so the whole rank's attention
-is one call. The prefixes are gathered from the all-gathered K / V by one precomputed index
-(about ``(1 + 1 / (2 cp))`` times the full K / V for zigzag).
+Each of this rank's query segments (a chunk, or a sequence's part on this rank) ending at
+position ``e`` of its sequence sees keys ``0 .. e - 1`` of that sequence under the causal mask;
+with the bottom-right causal alignment of :func:`mla_forward_padded` that is one varlen segment
+(the queries against a key prefix), so the whole rank's attention is one call. The prefixes are
+gathered from the all-gathered K / V by one precomputed index (about ``(1 + 1 / (2 cp))`` times
+the full K / V for zigzag).
 
 Why all-gather and not a ring: see docs/megatron.md#context-parallel (measured: the all-gather
 moves the same bytes in one collective and keeps one fused attention call per rank; the ring
@@ -70,46 +71,56 @@ class _AllGather(torch.autograd.Function):
 
 
 class CpPlan:
-    """Varlen offsets of this rank's query chunks and the index of their key prefixes in the
+    """Varlen offsets of this rank's query segments and the index of their key prefixes in the
     all-gathered K / V (built on the host, moved to the device once)."""
 
     def __init__(self, cu_seqlens_padded: torch.Tensor, cp: int, rank: int, cp_layout: str, device):
         cu = cu_seqlens_padded.detach().to("cpu", torch.int64)
-        padded = cu[1:] - cu[:-1]
-        chunks = 2 * cp if cp_layout == "zigzag" else cp
-        c = padded // chunks  # rows of one chunk of each sequence
         self.local_rows = int(cu[-1]) // cp
-        local_start = cu[:-1] // cp
-        mine = [rank, 2 * cp - 1 - rank] if cp_layout == "zigzag" else [rank]
-        s = len(mine)
-        # Segment j of sequence i: query chunk mine[j] (c_i rows, at local_start_i + j * c_i),
-        # keys 0 .. (mine[j] + 1) * c_i - 1 of sequence i.
-        seg_c = c.repeat_interleave(s)
-        seg_q = seg_c
-        seg_kv = seg_c * (torch.tensor(mine, dtype=torch.int64) + 1).repeat(len(c))
-        seg_seq_start = local_start.repeat_interleave(s)
-        self.cu_q = torch.cat([seg_q.new_zeros(1), seg_q.cumsum(0)]).to(torch.int32)
-        self.cu_kv = torch.cat([seg_kv.new_zeros(1), seg_kv.cumsum(0)]).to(torch.int32)
+        if cp_layout == "zigzag":
+            seg_q, seg_kv, kv_index = self._zigzag(cu, cp, rank)
+        else:
+            seg_q, seg_kv, kv_index = self._contiguous(cu, cp, rank)
+        self.cu_q = torch.cat([seg_q.new_zeros(1), seg_q.cumsum(0)]).to(torch.int32).to(device)
+        self.cu_kv = torch.cat([seg_kv.new_zeros(1), seg_kv.cumsum(0)]).to(torch.int32).to(device)
         self.max_q = int(seg_q.max()) if seg_q.numel() else 0
         self.max_kv = int(seg_kv.max()) if seg_kv.numel() else 0
-        total_kv = int(self.cu_kv[-1])
-        # Row of key position p of a segment in the gathered [cp * local_rows] K / V.
-        p = torch.arange(total_kv, dtype=torch.int64) - torch.repeat_interleave(self.cu_kv[:-1].long(), seg_kv)
-        c_row = torch.repeat_interleave(seg_c, seg_kv)
-        start_row = torch.repeat_interleave(seg_seq_start, seg_kv)
-        chunk = torch.div(p, c_row.clamp(min=1), rounding_mode="floor")
-        within = p - chunk * c_row
-        if cp_layout == "zigzag":
-            second = chunk >= cp
-            owner = torch.where(second, 2 * cp - 1 - chunk, chunk)
-            slot = second.long()
-        else:
-            owner, slot = chunk, torch.zeros_like(chunk)
-        kv_index = owner * self.local_rows + start_row + slot * c_row + within
-        self.cu_q = self.cu_q.to(device)
-        self.cu_kv = self.cu_kv.to(device)
         self.kv_index = kv_index.to(device)
         self.key = (cp, rank, cp_layout, str(device), cu_seqlens_padded._version)
+
+    def _zigzag(self, cu, cp, rank):
+        # Segment j of sequence i: query chunk m = mine[j] (c_i rows, at local_start_i + j * c_i),
+        # keys 0 .. (m + 1) * c_i - 1 of sequence i, which lie in chunks 0 .. m of their owners.
+        c = (cu[1:] - cu[:-1]) // (2 * cp)
+        mine = torch.tensor([rank, 2 * cp - 1 - rank], dtype=torch.int64)
+        seg_c = c.repeat_interleave(2)
+        seg_kv = seg_c * (mine + 1).repeat(len(c))
+        seg_start = (cu[:-1] // cp).repeat_interleave(2)
+        first = torch.cat([seg_kv.new_zeros(1), seg_kv.cumsum(0)[:-1]])
+        p = torch.arange(int(seg_kv.sum()), dtype=torch.int64) - torch.repeat_interleave(first, seg_kv)
+        c_row = torch.repeat_interleave(seg_c, seg_kv)
+        chunk = torch.div(p, c_row.clamp(min=1), rounding_mode="floor")
+        second = chunk >= cp  # chunks cp .. 2 cp - 1 sit second on rank 2 cp - 1 - chunk
+        owner = torch.where(second, 2 * cp - 1 - chunk, chunk)
+        kv_index = (owner * self.local_rows + torch.repeat_interleave(seg_start, seg_kv)
+                    + second.long() * c_row + p - chunk * c_row)
+        return seg_c, seg_kv, kv_index
+
+    def _contiguous(self, cu, cp, rank):
+        # Rank r holds rows [r L, (r + 1) L) of the global buffer (sequences may span ranks); the
+        # gathered K / V is the global buffer itself. Each sequence's part on this rank, rows
+        # [a, b), attends keys [cu_i, b) of its sequence.
+        lo, hi = rank * self.local_rows, (rank + 1) * self.local_rows
+        a = cu[:-1].clamp(lo, hi)
+        b = cu[1:].clamp(lo, hi)
+        keep = b > a
+        a, b, start = a[keep], b[keep], cu[:-1][keep]
+        seg_q, seg_kv = b - a, b - start
+        kv_index = torch.repeat_interleave(start, seg_kv) + (
+            torch.arange(int(seg_kv.sum()), dtype=torch.int64)
+            - torch.repeat_interleave(torch.cat([seg_kv.new_zeros(1), seg_kv.cumsum(0)[:-1]]), seg_kv)
+        )
+        return seg_q, seg_kv, kv_index
 
 
 def _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) -> str:
@@ -132,13 +143,18 @@ def _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) -> str:
     lengths = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or bool((lengths < 0).any()):
         return f"{OP}: cu_seqlens_padded must start at 0 and be non-decreasing, got {cu.tolist()}"
-    chunks = 2 * cp if cp_layout == "zigzag" else cp
-    bad = (lengths % chunks != 0).nonzero()
-    if bad.numel():
-        i = int(bad[0])
+    if cp_layout == "zigzag":
+        bad = (lengths % (2 * cp) != 0).nonzero()
+        if bad.numel():
+            i = int(bad[0])
+            return (
+                f"{OP}: cu_seqlens_padded: sequence {i} has padded length {int(lengths[i])}, not a multiple "
+                f"of {2 * cp} (zigzag layout over {cp} CP ranks)"
+            )
+    elif int(cu[-1]) % cp:
         return (
-            f"{OP}: cu_seqlens_padded: sequence {i} has padded length {int(lengths[i])}, not a multiple of "
-            f"{chunks} ({cp_layout} layout over {cp} CP ranks)"
+            f"{OP}: cu_seqlens_padded: the padded total {int(cu[-1])} is not a multiple of {cp} "
+            f"(contiguous layout over {cp} CP ranks)"
         )
     if int(cu[-1]) // cp != q.shape[0]:
         return (
@@ -188,7 +204,8 @@ def mla_cp_attention(
     Args:
         q, k: ``[t_local, n, Dqk]``; v: ``[t_local, n, Dv]`` with ``Dv <= Dqk`` (this rank's shard).
         cu_seqlens_padded: int32 ``[B + 1]``, the global padded offsets (each padded length a
-            multiple of ``2 * cp`` for zigzag, ``cp`` for contiguous), any device.
+            multiple of ``2 * cp`` for zigzag; the total a multiple of ``cp`` for contiguous), any
+            device.
         max_seqlen: the longest padded sequence (used only without CP; ``None`` reads it).
         cp_group: the context-parallel process group (``None`` or one rank: no CP).
         cp_layout: ``"zigzag"`` or ``"contiguous"``.

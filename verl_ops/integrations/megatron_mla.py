@@ -407,9 +407,10 @@ class MLACoreAttention(torch.nn.Module):
             return x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])
 
         cu = torch.arange(0, b + 1, dtype=torch.int32, device=query.device) * (s * cp)
+        # Megatron shards BSHD sequences over CP in zigzag chunks (get_batch_on_this_cp_rank).
         out = mla_cp_attention(
             rows(query), rows(key), rows(value), cu, s * cp,
-            cp_group=group, cp_layout=self.cp_layout, softmax_scale=scale, backend=self.backend,
+            cp_group=group, cp_layout="zigzag", softmax_scale=scale, backend=self.backend,
         )
         dv = value.shape[-1]
         return out.reshape(b, s, n * dv).transpose(0, 1).contiguous()
@@ -468,13 +469,14 @@ def use_in_spec(spec, *, cp_layout: str = "zigzag", backend: str = "auto") -> in
     return count
 
 
-def install(spec=None, *, cp_layout: str = "zigzag", backend: str = "auto"):
+def install(spec=None, *, cp_layout: str = "zigzag", backend: str = "auto", fast_rope: bool = True):
     """Make megatron-core's MLA run on verl_ops' kernels with the native value head dim.
 
     - Fixes what breaks megatron-core without TransformerEngine where it bites
       (:func:`verl_ops.integrations.megatron_compat.patch_megatron_core`).
     - Where MultiLatentAttention pads V itself (>= 0.18), it hands :class:`MLACoreAttention`
       the native V and takes back ``[t, n * Dv]``: no pad, no trim, no copy.
+    - ``fast_rope``: THD RoPE in one pass (:func:`fast_thd_rope`, bit-identical to Megatron's).
     - With ``spec`` (a GPT layer / block / MTP block spec), puts :class:`MLACoreAttention` into
       its MLA core-attention slots (:func:`use_in_spec`) and returns the spec.
 
@@ -489,6 +491,101 @@ def install(spec=None, *, cp_layout: str = "zigzag", backend: str = "auto"):
     if patch_megatron_core is not None:
         patch_megatron_core()
     _install_value_pad_bypass(mla_module)
+    if fast_rope:
+        _install_fast_rope()
     if spec is not None:
         use_in_spec(spec, cp_layout=cp_layout, backend=backend)
     return spec
+
+
+# --------------------------------------------------------------------------------------------
+# RoPE of THD batches in one pass
+# --------------------------------------------------------------------------------------------
+
+_ROPE_TABLE_ATTR = "_verl_ops_rope_tables"
+_ROPE_POS_ATTR = "_verl_ops_rope_positions"
+
+
+def _cached_on(t: torch.Tensor, attr: str, key, make):
+    """``make()``, remembered on tensor ``t`` under ``key`` (with t's version: in-place changes
+    invalidate it), so every layer of a step reuses what the first one built."""
+    cache = getattr(t, attr, None)
+    full_key = (key, t._version)
+    if cache is not None and cache[0] == full_key:
+        return cache[1]
+    value = make()
+    try:
+        setattr(t, attr, (full_key, value))
+    except (AttributeError, RuntimeError):
+        pass
+    return value
+
+
+def fast_thd_rope(original):
+    """A replacement for megatron-core's ``rope_utils._apply_rotary_pos_emb_thd`` that applies
+    :func:`verl_ops.mla_rope` to the whole packed tensor at once: the same positions (zigzag CP
+    chunks, per-sequence or packed frequency tables) and the same arithmetic, bit for bit, without
+    the per-sequence loop and its host reads in every layer. Calls it does not cover (interleaved
+    rotate-half, partial rotary dims, a non-float32 table) go to ``original``."""
+    from .._rope import mla_rope, thd_rope_positions
+
+    def apply(t, cu_seqlens, freqs, rotary_interleaved=False, *args, **kwargs):
+        names = ("multi_latent_attention", "mscale", "cp_group")  # megatron-core 0.16 order
+        if args and "mla_rotary_interleaved" not in kwargs and len(args) <= 3:
+            kwargs = {**dict(zip(names, args)), **kwargs}
+            args = ()
+        mla = kwargs.get("mla_rotary_interleaved", None)
+        if mla is None:
+            mla = kwargs.get("multi_latent_attention", False)
+        mscale = kwargs.get("mscale", 1.0)
+        cp_group = kwargs.get("cp_group", None)
+        usable = (
+            not args
+            and not rotary_interleaved
+            and cp_group is not None
+            and t.dim() == 3
+            and freqs.dtype == torch.float32
+            and freqs.dim() >= 1
+            and freqs.shape[-1] == t.shape[-1]
+            and t.dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+        )
+        if not usable:
+            return original(t, cu_seqlens, freqs, rotary_interleaved, *args, **kwargs)
+        cp_size, cp_rank = cp_group.size(), cp_group.rank()
+
+        def index():  # one host read of the offsets per micro-batch, shared by every layer
+            packed = freqs.size(0) == int(cu_seqlens[-1])
+            pos = thd_rope_positions(cu_seqlens, t.shape[0], cp_size, cp_rank, packed)
+            if pos is None or (pos.numel() and int(pos.max()) >= freqs.size(0)):
+                return None  # Megatron's own code reports these
+            return pos.to(t.device)
+
+        positions = _cached_on(
+            cu_seqlens, _ROPE_POS_ATTR, (t.shape[0], cp_size, cp_rank, freqs.size(0), str(t.device)), index
+        )
+        if positions is None:
+            return original(t, cu_seqlens, freqs, rotary_interleaved, *args, **kwargs)
+        table = freqs.reshape(freqs.size(0), freqs.shape[-1])
+
+        def tables():
+            return ((torch.cos(table) * mscale).to(t.dtype), (torch.sin(table) * mscale).to(t.dtype))
+
+        cos, sin = _cached_on(freqs, _ROPE_TABLE_ATTR, (float(mscale), t.dtype, str(t.device)), tables)
+        return mla_rope(t, cos, sin, positions, interleaved=bool(mla))
+
+    apply.__wrapped__ = original
+    setattr(apply, _PATCHED_ATTR, True)
+    return apply
+
+
+def _install_fast_rope() -> bool:
+    """Route megatron-core's THD RoPE through :func:`fast_thd_rope` (where the function exists)."""
+    from megatron.core.models.common.embeddings import rope_utils
+
+    original = getattr(rope_utils, "_apply_rotary_pos_emb_thd", None)
+    if original is None:
+        return False
+    if getattr(original, _PATCHED_ATTR, False):
+        return True
+    rope_utils._apply_rotary_pos_emb_thd = fast_thd_rope(original)
+    return True

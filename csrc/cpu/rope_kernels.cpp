@@ -1,0 +1,109 @@
+#include "rope_kernels.h"
+
+#include <cstring>
+
+namespace verl_ops {
+namespace cpu {
+
+namespace {
+
+// bfloat16: the upper half of a float32, rounded to nearest even.
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
+inline uint16_t float_to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, sizeof u);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+
+// A value that went through memory: the compiler cannot contract the product that made it into a
+// fused multiply-add with the next sum (targets with FMA would otherwise round differently).
+template <typename T>
+inline T materialise(T v) {
+  volatile T t = v;
+  return t;
+}
+
+struct F32 {
+  using Store = float;
+  using Acc = float;
+  static Acc load(Store v) { return v; }
+  static Store store(Acc v) { return v; }
+  static Acc round(Acc v) { return materialise(v); }
+};
+
+struct F64 {
+  using Store = double;
+  using Acc = double;
+  static Acc load(Store v) { return v; }
+  static Store store(Acc v) { return v; }
+  static Acc round(Acc v) { return materialise(v); }
+};
+
+struct BF16 {
+  using Store = uint16_t;
+  using Acc = float;
+  static Acc load(Store v) { return bf16_to_float(v); }
+  static Store store(Acc v) { return float_to_bf16(v); }
+  static Acc round(Acc v) { return bf16_to_float(float_to_bf16(v)); }
+};
+
+struct F16 {
+  using Store = _Float16;
+  using Acc = float;
+  static Acc load(Store v) { return static_cast<float>(v); }
+  static Store store(Acc v) { return static_cast<_Float16>(v); }
+  static Acc round(Acc v) { return static_cast<float>(static_cast<_Float16>(v)); }
+};
+
+template <typename D>
+void rope_rows(const core::RopeProblem& p, const void* x_, const void* cos_, const void* sin_,
+               const int64_t* positions, void* out_) {
+  using S = typename D::Store;
+  using A = typename D::Acc;
+  const S* x = static_cast<const S*>(x_);
+  const S* cs = static_cast<const S*>(cos_);
+  const S* sn = static_cast<const S*>(sin_);
+  S* out = static_cast<S*>(out_);
+  const int64_t half = p.dim / 2;
+  const auto rnd = [](A v) { return D::round(v); };
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const S* c = cs + positions[r] * p.dim;
+    const S* s = sn + positions[r] * p.dim;
+    for (int64_t h = 0; h < p.heads; ++h) {
+      const S* xi = x + r * p.row_stride + h * p.head_stride;
+      S* oi = out + (r * p.heads + h) * p.dim;
+      for (int64_t k = 0; k < half; ++k) {
+        int64_t i0, i1, o0, o1;
+        core::rope_pair_offsets(p, k, &i0, &i1, &o0, &o1);
+        A r0, r1;
+        core::rope_pair<A>(p.backward, D::load(xi[i0]), D::load(xi[i1]), D::load(c[k]), D::load(s[k]),
+                           D::load(c[k + half]), D::load(s[k + half]), rnd, &r0, &r1);
+        oi[o0] = D::store(r0);
+        oi[o1] = D::store(r1);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+void mla_rope(const core::RopeProblem& p, int dtype, const void* x, const void* cos, const void* sin,
+              const int64_t* positions, void* out) {
+  switch (dtype) {
+    case 0: rope_rows<F32>(p, x, cos, sin, positions, out); break;
+    case 1: rope_rows<F64>(p, x, cos, sin, positions, out); break;
+    case 2: rope_rows<F16>(p, x, cos, sin, positions, out); break;
+    default: rope_rows<BF16>(p, x, cos, sin, positions, out); break;
+  }
+}
+
+}  // namespace cpu
+}  // namespace verl_ops

@@ -1,0 +1,30 @@
+// mla_rope: MLA's rotary embedding of THD rows in one pass (core/rope.h, docs/megatron.md#rope).
+#pragma once
+
+#include "../core/rope.h"
+#include "stable.h"
+
+namespace verl_ops {
+namespace ops {
+
+using st::Tensor;
+
+struct RopeCall {
+  core::RopeProblem problem;
+  Tensor x, cos, sin, positions, out;
+  int dtype = 0;  // 0 float32, 1 float64, 2 float16, 3 bfloat16
+};
+
+// Checks the arguments (positions' values too when they live on the CPU) and allocates the output.
+RopeCall prepare_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                      bool interleaved, bool backward);
+
+Tensor mla_rope_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                    bool interleaved, bool backward);
+#ifdef VERL_OPS_WITH_CUDA
+Tensor mla_rope_cuda(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                     bool interleaved, bool backward);
+#endif
+
+}  // namespace ops
+}  // namespace verl_ops

@@ -1,0 +1,89 @@
+"""mla_rope: MLA's rotary position embedding of THD rows in one pass (docs/megatron.md#rope).
+
+Megatron-Core applies RoPE to MLA's rope head dims as a chain of elementwise ops (de-interleave,
+two products, rotate-half, a sum, concatenations: about seven passes over the tensor forward and
+more backward) after a Python loop over the sequences that reads the offsets on the host. This op
+is the same arithmetic, rounding for rounding, in one pass; its fake kernel, autograd and the
+position index that replaces the loop live here.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import check_plain
+
+_ops = torch.ops.verl_ops
+OP = "mla_rope"
+
+
+@torch.library.register_fake("verl_ops::mla_rope")
+def _mla_rope_fake(x, cos, sin, positions, interleaved=True, backward=False):
+    torch._check(x.dim() == 3, lambda: f"{OP}: x must be [rows, heads, dim], got {tuple(x.shape)}")
+    return x.new_empty(x.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _x, cos, sin, positions, interleaved, _backward_flag = inputs
+    ctx.save_for_backward(cos, sin, positions)
+    ctx.interleaved = interleaved
+
+
+def _backward(ctx, grad):
+    cos, sin, positions = ctx.saved_tensors
+    grad_x = _ops.mla_rope(grad, cos, sin, positions, ctx.interleaved, True)
+    return grad_x, None, None, None, None, None
+
+
+torch.library.register_autograd("verl_ops::mla_rope", _backward, setup_context=_setup_context)
+
+
+def mla_rope(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, *, interleaved: bool = True
+) -> torch.Tensor:
+    """Rotate-half RoPE of ``x [rows, heads, dim]`` with each row's table row ``positions[row]``.
+
+    Equal, bit for bit, to Megatron-Core's ``_apply_rotary_pos_emb_bshd(x[:, None], freqs[positions],
+    rotary_interleaved=False, mla_rotary_interleaved=interleaved, mscale)`` when
+    ``cos = (freqs.cos() * mscale).to(x.dtype)`` and ``sin`` likewise (``freqs [table_rows, dim]``).
+
+    Args:
+        x: ``[rows, heads, dim]``, ``dim`` even, inner stride 1 (rows and heads may be strided).
+        cos, sin: ``[table_rows, dim]`` in x's dtype.
+        positions: int64 ``[rows]``; on the CPU each must lie in ``[0, table_rows)`` (checked); on a
+            GPU a row outside gets zeros (not read on the host).
+        interleaved: de-interleave each head's dims first (MLA's ``mla_rotary_interleaved``).
+
+    Returns:
+        ``[rows, heads, dim]`` contiguous, in the de-interleaved order Megatron returns;
+        differentiable in ``x``.
+    """
+    for name, t in (("x", x), ("cos", cos), ("sin", sin), ("positions", positions)):
+        check_plain(OP, name, t)
+    return _ops.mla_rope(x, cos, sin, positions, bool(interleaved), False)
+
+
+def thd_rope_positions(cu_seqlens: torch.Tensor, rows: int, cp_size: int = 1, cp_rank: int = 0,
+                       packed_freqs: bool = False) -> torch.Tensor | None:
+    """Each local THD row's RoPE position (int64 ``[rows]``, on the host), as Megatron-Core's
+    ``_apply_rotary_pos_emb_thd`` assigns them: sequence ``i`` has ``(cu[i+1] - cu[i]) // cp_size``
+    local rows; without CP they are positions ``0 ..``; with CP the local rows are the zigzag chunks
+    ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of the sequence; ``packed_freqs`` (the frequency
+    table has a row per packed token) adds the sequence's offset ``cu[i]``. ``None`` when the rows do
+    not add up to ``rows`` (Megatron's own code then reports the mismatch)."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    local = (cu[1:] - cu[:-1]) // cp_size
+    if int(local.sum()) != rows:
+        return None
+    starts = torch.cumsum(local, 0) - local
+    seq = torch.repeat_interleave(torch.arange(local.numel()), local)
+    j = torch.arange(rows, dtype=torch.int64) - starts[seq]
+    if cp_size > 1:
+        seg = local[seq] // 2
+        full = cp_size * local[seq]
+        pos = torch.where(j < seg, cp_rank * seg + j, full - (cp_rank + 1) * seg + (j - seg))
+    else:
+        pos = j
+    if packed_freqs:
+        pos = pos + cu[:-1][seq]
+    return pos
