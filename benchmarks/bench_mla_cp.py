@@ -1,0 +1,490 @@
+"""MLA attention (causal, Dqk=192 / Dv=128, bf16) under context parallelism, per-rank time on NCCL.
+
+One RL-ragged batch (log-normal lengths, median 1500, sigma 0.9, clipped to [64, 8192], ~32k
+tokens, fixed seed; bench_mla.py's rl_ragged_lengths) with 16 and 128 heads, zigzag CP layout,
+at every CP size the ranks allow (2, 4, 8: the world cut into CP groups of that size, all groups
+running at once). Methods, each timed forward and forward+backward:
+
+  ours (all-gather)    verl_ops.mla_cp_attention: K and V all-gathered over the CP group, one
+                       varlen call per rank with the native Dv=128; backward reduce-scatters dK/dV
+  all-gather, V padded the same with V zero-padded to 192 before the call (so the gather moves and
+                       the kernels read 192-wide V) and the output trimmed to 128: what Megatron
+                       does when it pads V for MLA, i.e. the cost of the pad
+  ring (p2p)           Megatron's `p2p` cp_comm_type: K/V blocks passed around the ring with
+                       dist.batch_isend_irecv (the next block's transfer overlapping this block's
+                       attention), each step attending the local queries to the visiting block
+                       with torch.ops.verl_ops.mla_forward_padded (zigzag: step 0 causal on the
+                       own block; a block from a lower rank: all local queries against its first
+                       chunk; from a higher rank: the local second-chunk queries against the whole
+                       block), partial outputs merged by log-sum-exp in PyTorch elementwise ops
+                       (not fused). Backward: the same ring with mla_backward_padded against the
+                       final out / lse, dK/dV accumulators travelling with the blocks (bf16).
+  K/V all-gather alone the two all-gathers (forward) and two reduce-scatters (backward) of ours,
+                       without attention: the communication floor of the all-gather methods
+  single GPU / cp      mla_forward_padded over the whole batch on one GPU, divided by cp: the
+                       ideal per-rank time (no communication, perfect balance)
+
+Every method's output and q/k/v gradients are checked against the single-GPU full attention's rows
+before timing (a method that fails is reported, not timed). Timing: the ranks start each repeat
+together (barrier), CUDA events around the call, median of the repeats, the slowest rank's median.
+
+    torchrun --nproc_per_node 4 benchmarks/bench_mla_cp.py --out results_mla_cp.json
+    torchrun --nproc_per_node 2 benchmarks/bench_mla_cp.py --tiny     # CPU / gloo / float32 smoke test
+    python3 benchmarks/bench_mla_cp.py --tiny --nproc 2              # the same, spawning the ranks
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+
+try:
+    import verl_ops
+except ImportError:  # run from a checkout without installing: the package is one folder up
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import verl_ops
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_mla import rl_ragged_lengths  # noqa: E402
+
+from verl_ops import DynamicCPGroups, ThdLayout  # noqa: E402
+
+_ops = torch.ops.verl_ops
+DQK, DV = 192, 128
+
+# --------------------------------------------------------------------------------------------
+# Timing (bench_dist.py's: barrier before each repeat, CUDA events, median, slowest rank).
+
+
+def timeit(fn, device, repeats, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t)
+
+
+# --------------------------------------------------------------------------------------------
+# The ring (p2p) attention, zigzag layout.
+
+
+class RingPlan:
+    """Offsets and row indices of the zigzag ring's three kinds of step (see the module doc)."""
+
+    def __init__(self, cu_padded: list, cp: int, group, device):
+        self.cp, self.rank, self.group = cp, dist.get_rank(group), group
+        self.next = dist.get_global_rank(group, (self.rank + 1) % cp)
+        self.prev = dist.get_global_rank(group, (self.rank - 1) % cp)
+        padded = [b - a for a, b in zip(cu_padded[:-1], cu_padded[1:])]
+        assert all(p % (2 * cp) == 0 for p in padded), "zigzag needs padded lengths that are multiples of 2 cp"
+        local = [p // cp for p in padded]
+        chunk = [p // (2 * cp) for p in padded]
+
+        def offsets(sizes):
+            out = [0]
+            for s in sizes:
+                out.append(out[-1] + s)
+            return torch.tensor(out, dtype=torch.int32, device=device)
+
+        self.cu_local, self.cu_chunk = offsets(local), offsets(chunk)  # whole local rows / one chunk
+        self.max_local, self.max_chunk = max(local, default=0), max(chunk, default=0)
+        starts = [a // cp for a in cu_padded[:-1]]
+        first = [torch.arange(s, s + c) for s, c in zip(starts, chunk)]
+        second = [torch.arange(s + c, s + 2 * c) for s, c in zip(starts, chunk)]
+        empty = torch.zeros(0, dtype=torch.int64)
+        self.first = torch.cat(first or [empty]).to(device)  # each sequence's first chunk on a rank
+        self.second = torch.cat(second or [empty]).to(device)  # ... and its second chunk
+
+    def steps(self):
+        """(step, kind) with kind "self" (causal, own block), "low" (a block of a lower CP rank:
+        every local query against its first chunks) or "high" (a higher rank: the local second
+        chunks against the whole block)."""
+        for i in range(self.cp):
+            src = (self.rank - i) % self.cp
+            yield i, "self" if i == 0 else ("low" if src < self.rank else "high")
+
+
+def _p2p(sends, recvs, plan):
+    ops = [dist.P2POp(dist.isend, t, plan.next, plan.group) for t in sends]
+    ops += [dist.P2POp(dist.irecv, t, plan.prev, plan.group) for t in recvs]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs):
+    for r in reqs:
+        r.wait()
+
+
+def _merge(out_acc, lse_acc, out, lse, rows=None):
+    """Fold a partial (out [t, H, Dv], lse [H, t]) into the float32 accumulators (at `rows`)."""
+    if rows is None:
+        new = torch.logaddexp(lse_acc, lse.float())
+        out_acc.mul_(torch.exp(lse_acc - new).t().unsqueeze(-1))
+        out_acc.add_(out.float() * torch.exp(lse.float() - new).t().unsqueeze(-1))
+        lse_acc.copy_(new)
+        return
+    acc_o, acc_l = out_acc.index_select(0, rows), lse_acc.index_select(1, rows)
+    new = torch.logaddexp(acc_l, lse.float())
+    acc_o = acc_o * torch.exp(acc_l - new).t().unsqueeze(-1) + out.float() * torch.exp(lse.float() - new).t().unsqueeze(-1)
+    out_acc.index_copy_(0, rows, acc_o)
+    lse_acc.index_copy_(1, rows, new)
+
+
+class RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, scale, backend):
+        t, h = q.shape[:2]
+        out_acc = torch.zeros(t, h, v.shape[-1], dtype=torch.float32, device=q.device)
+        lse_acc = torch.full((h, t), -math.inf, dtype=torch.float32, device=q.device)
+        kb, vb = k.contiguous(), v.contiguous()
+        for i, kind in plan.steps():
+            reqs, nxt = [], None
+            if i < plan.cp - 1:  # the next block travels while this one is attended
+                nxt = (torch.empty_like(kb), torch.empty_like(vb))
+                reqs = _p2p((kb, vb), nxt, plan)
+            if kind == "self":
+                o, lse = _ops.mla_forward_padded(q, kb, vb, plan.cu_local, plan.cu_local, plan.max_local,
+                                                 plan.max_local, True, scale, backend)
+                _merge(out_acc, lse_acc, o, lse)
+            elif kind == "low":
+                o, lse = _ops.mla_forward_padded(q, kb.index_select(0, plan.first), vb.index_select(0, plan.first),
+                                                 plan.cu_local, plan.cu_chunk, plan.max_local, plan.max_chunk,
+                                                 False, scale, backend)
+                _merge(out_acc, lse_acc, o, lse)
+            else:
+                o, lse = _ops.mla_forward_padded(q.index_select(0, plan.second), kb, vb, plan.cu_chunk,
+                                                 plan.cu_local, plan.max_chunk, plan.max_local, False, scale,
+                                                 backend)
+                _merge(out_acc, lse_acc, o, lse, plan.second)
+            _wait(reqs)
+            if nxt is not None:
+                kb, vb = nxt
+        out = out_acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.plan, ctx.scale, ctx.backend = plan, scale, backend
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, scale, backend = ctx.plan, ctx.scale, ctx.backend
+        lse = lse.to(_lse_dtype(q))
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+        kb, vb = k.contiguous(), v.contiguous()
+        acc = None  # (dK, dV) of the visiting block, travelling with it
+        acc_reqs, acc_in = [], None
+        second = plan.second
+        for i, kind in plan.steps():
+            reqs, nxt = [], None
+            if i < plan.cp - 1:
+                nxt = (torch.empty_like(kb), torch.empty_like(vb))
+                reqs = _p2p((kb, vb), nxt, plan)
+            if kind == "self":
+                dq_p, dk_p, dv_p = _ops.mla_backward_padded(dout, q, kb, vb, out, lse, plan.cu_local, plan.cu_local,
+                                                            plan.max_local, plan.max_local, True, scale, backend)
+                dq.add_(dq_p)
+            elif kind == "low":
+                first = plan.first
+                dq_p, dkf, dvf = _ops.mla_backward_padded(
+                    dout, q, kb.index_select(0, first), vb.index_select(0, first), out, lse, plan.cu_local,
+                    plan.cu_chunk, plan.max_local, plan.max_chunk, False, scale, backend)
+                dq.add_(dq_p)
+                dk_p = torch.zeros_like(kb).index_copy_(0, first, dkf)
+                dv_p = torch.zeros_like(vb).index_copy_(0, first, dvf)
+            else:
+                dq_p, dk_p, dv_p = _ops.mla_backward_padded(
+                    dout.index_select(0, second), q.index_select(0, second), kb, vb, out.index_select(0, second),
+                    lse.index_select(1, second).contiguous(), plan.cu_chunk, plan.cu_local, plan.max_chunk,
+                    plan.max_local, False, scale, backend)
+                dq.index_add_(0, second, dq_p.float())
+            if acc_in is not None:  # the accumulator of this block, from the previous rank
+                _wait(acc_reqs)
+                dk_p, dv_p = acc_in[0] + dk_p, acc_in[1] + dv_p
+            acc = (dk_p.contiguous(), dv_p.contiguous())
+            acc_in = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
+            # Forward the accumulator with its block; after the last step it reaches the block's
+            # owner (rank r receives its own block's total from rank r - 1).
+            acc_reqs = _p2p(acc, acc_in, plan)
+            _wait(reqs)
+            if nxt is not None:
+                kb, vb = nxt
+        _wait(acc_reqs)
+        return dq.to(q.dtype), acc_in[0], acc_in[1], None, None, None
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def ring_attention(q, k, v, plan, scale, backend=0):
+    if plan.cp == 1:
+        raise ValueError("ring_attention: cp must be > 1")
+    return RingAttention.apply(q, k, v, plan, scale, backend)
+
+
+# --------------------------------------------------------------------------------------------
+# One batch.
+
+
+def _rel_err(got, want):
+    got, want = got.double(), want.double()
+    return float((got - want).abs().max() / want.abs().max().clamp(min=1.0))
+
+
+def bench_case(rank, world, device, dtype, cp, heads, lengths, args, rows):
+    groups = DynamicCPGroups.for_group()
+    group = groups.cp_group(cp)
+    r = dist.get_rank(group)
+    layout = ThdLayout.from_lengths(lengths, cp_size=cp, cp_layout="zigzag")
+    cu_cpu = layout.cu_seqlens_padded_cpu
+    cu_padded = cu_cpu.tolist()
+    cu = cu_cpu.to(device)
+    total, max_seqlen = layout.total_padded, layout.max_seqlen
+    scale = 1.0 / math.sqrt(DQK)
+    dqk, dv = DQK, DV
+
+    # The full batch, the same on every rank (seeded), and this rank's zigzag rows.
+    g = torch.Generator(device=device).manual_seed(1000 + heads)
+    q, k = (torch.randn(total, heads, dqk, device=device, dtype=dtype, generator=g) for _ in range(2))
+    v, grad = (torch.randn(total, heads, dv, device=device, dtype=dtype, generator=g) for _ in range(2))
+    plan = RingPlan(cu_padded, cp, group, device)
+    idx = []
+    for a, b in zip(cu_padded[:-1], cu_padded[1:]):
+        c = (b - a) // (2 * cp)
+        idx += [torch.arange(a + r * c, a + (r + 1) * c), torch.arange(a + (2 * cp - 1 - r) * c, a + (2 * cp - r) * c)]
+    idx = torch.cat(idx).to(device)
+    ql, kl, vl, gl = (x.index_select(0, idx).contiguous() for x in (q, k, v, grad))
+
+    def full(q_, k_, v_):
+        return verl_ops.mla_forward_padded(q_, k_, v_, cu, cu, max_seqlen, max_seqlen, causal=True,
+                                           softmax_scale=scale, validate=False)
+
+    def ours(q_, k_, v_):
+        return verl_ops.mla_cp_attention(q_, k_, v_, cu, max_seqlen, cp_group=group, cp_layout="zigzag",
+                                         softmax_scale=scale)
+
+    def padded_v(q_, k_, v_):
+        out = verl_ops.mla_cp_attention(q_, k_, F.pad(v_, (0, dqk - dv)), cu, max_seqlen, cp_group=group,
+                                        cp_layout="zigzag", softmax_scale=scale)
+        return out[..., :dv]
+
+    def ring(q_, k_, v_):
+        return ring_attention(q_, k_, v_, plan, scale)
+
+    kg = torch.empty((cp * kl.shape[0],) + tuple(kl.shape[1:]), dtype=dtype, device=device)
+    vg = torch.empty((cp * vl.shape[0],) + tuple(vl.shape[1:]), dtype=dtype, device=device)
+    ks, vs = torch.empty_like(kl), torch.empty_like(vl)
+    gloo = dist.get_backend(group) == "gloo"
+
+    def comm_fwd():
+        dist.all_gather_into_tensor(kg, kl, group=group)
+        dist.all_gather_into_tensor(vg, vl, group=group)
+
+    def comm_all():
+        comm_fwd()
+        if gloo:  # gloo has no reduce-scatter: all-reduce (what mla_cp_attention does there)
+            dist.all_reduce(kg, group=group)
+            dist.all_reduce(vg, group=group)
+        else:
+            dist.reduce_scatter_tensor(ks, kg, group=group)
+            dist.reduce_scatter_tensor(vs, vg, group=group)
+
+    # The reference: single-device attention over the whole batch, this rank's rows.
+    qf, kf, vf = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    ref = full(qf, kf, vf)
+    ref.backward(grad)
+    want = [x.index_select(0, idx) for x in (ref.detach(), qf.grad, kf.grad, vf.grad)]
+    del qf, kf, vf, ref
+    tol = 3e-2 if dtype in (torch.bfloat16, torch.float16) else 1e-4
+
+    def fwd_bwd_of(fn, qg, kg_, vg_):
+        def step():
+            o = fn(qg, kg_, vg_)
+            o.backward(gl)
+            qg.grad = kg_.grad = vg_.grad = None
+        return step
+
+    label = f"{heads}"
+    results = {}
+    for name, fn in (("ours (all-gather)", ours), ("all-gather, V padded to 192", padded_v), ("ring (p2p)", ring)):
+        row = {"method": name, "cp": cp, "heads": heads}
+        try:
+            qg, kg_, vg_ = (x.detach().clone().requires_grad_(True) for x in (ql, kl, vl))
+            o = fn(qg, kg_, vg_)
+            o.backward(gl)
+            errs = [_rel_err(a, b) for a, b in zip((o.detach(), qg.grad, kg_.grad, vg_.grad), want)]
+            row["max_err"] = max(errs)
+            if not max(errs) < tol:
+                raise RuntimeError(f"mismatch against the single-device attention: errors out/dq/dk/dv {errs}")
+            qg.grad = kg_.grad = vg_.grad = None
+            with torch.no_grad():
+                row["fwd_s"] = timeit(lambda: fn(ql, kl, vl), device, args.repeats, args.warmup)
+            row["all_s"] = timeit(fwd_bwd_of(fn, qg, kg_, vg_), device, args.repeats, args.warmup)
+        except Exception as e:  # report, keep going (every rank reaches the same point: same checks)
+            row["error"] = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:200]}"
+            if os.environ.get("BENCH_MLA_CP_TRACE"):
+                traceback.print_exc()
+        results[name] = row
+    comm = {"method": "K/V all-gather alone (comm floor of the all-gathers)", "cp": cp, "heads": heads}
+    comm["fwd_s"] = timeit(comm_fwd, device, args.repeats, args.warmup)
+    comm["all_s"] = timeit(comm_all, device, args.repeats, args.warmup)
+    # Every rank runs it at once (each on its own device); the slowest rank's median is reported.
+    single = {"method": "single device, whole batch / cp (ideal)", "cp": cp, "heads": heads}
+    qf, kf, vf = (x.detach().clone().requires_grad_(True) for x in (q, k, v))
+    with torch.no_grad():
+        single["fwd_s"] = timeit(lambda: full(q, k, v), device, args.repeats, args.warmup) / cp
+
+    def full_step():
+        o = full(qf, kf, vf)
+        o.backward(grad)
+        qf.grad = kf.grad = vf.grad = None
+
+    single["all_s"] = timeit(full_step, device, args.repeats, args.warmup) / cp
+    del qf, kf, vf
+    base = results["ours (all-gather)"]
+    for row in (*results.values(), comm, single):
+        for key in ("fwd", "all"):
+            if f"{key}_s" in row and f"{key}_s" in base:
+                row[f"{key}_ratio"] = row[f"{key}_s"] / base[f"{key}_s"]
+        row["batch"] = f"{len(lengths)} seqs, {sum(lengths)} tokens, H{label}"
+        rows.append(row)
+
+
+def fmt_ms(s):
+    return f"{s * 1e3:.3f}" if s is not None else "—"
+
+
+def markdown(rows):
+    lines = ["| method | cp | heads | fwd ms | fwd+bwd ms | fwd / ours | fwd+bwd / ours | max err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['method']} | {r['cp']} | {r['heads']} | error: {r['error']} | | | | |")
+            continue
+        err = f"{r['max_err']:.1e}" if "max_err" in r else ""
+        lines.append(
+            f"| {r['method']} | {r['cp']} | {r['heads']} | {fmt_ms(r.get('fwd_s'))} | {fmt_ms(r.get('all_s'))} "
+            f"| {r.get('fwd_ratio', float('nan')):.2f}x | {r.get('all_ratio', float('nan')):.2f}x | {err} |"
+        )
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def run(rank, world, args, init_file=None):
+    kwargs = {"init_method": f"file://{init_file}", "rank": rank, "world_size": world} if init_file else {}
+    backend = "gloo" if args.tiny else "nccl"
+    if backend == "nccl":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        torch.cuda.set_device(local % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+        kwargs["device_id"] = device
+        dtype = torch.bfloat16
+    else:
+        device, dtype = torch.device("cpu"), torch.float32
+        torch.set_num_threads(1)
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600), **kwargs)
+    if args.tiny:
+        lengths = rl_ragged_lengths(args.seed, tokens=384, median=60, sigma=0.9, lo=4, hi=200)
+        heads_list = [2, 4]
+    else:
+        lengths = rl_ragged_lengths(args.seed, tokens=args.tokens)
+        heads_list = [int(h) for h in args.heads.split(",")]
+    groups = DynamicCPGroups.for_group()
+    cps = [c for c in (2, 4, 8) if c <= world and c in groups.sizes]
+    if args.cp:
+        cps = [c for c in cps if c in {int(x) for x in args.cp.split(",")}]
+    rows = []
+    for cp in cps:
+        for heads in heads_list:
+            bench_case(rank, world, device, dtype, cp, heads, lengths, args, rows)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    if rank == 0:
+        dev = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+        head = [
+            f"## MLA attention under CP, {world} x {dev}, {backend}, {str(dtype).replace('torch.', '')}",
+            "",
+            f"{datetime.date.today()}, torch {torch.__version__}, command: "
+            f"`{' '.join(shlex.quote(a) for a in sys.argv)}`. Causal, Dqk={DQK} / Dv={DV}, zigzag layout; "
+            f"{len(lengths)} sequences, {sum(lengths)} tokens, lengths {lengths}. Per-rank time: median of "
+            f"{args.repeats} repeats after {args.warmup} warm-up, slowest rank; each CP group of the world runs "
+            "at once. Measured: forward and forward+backward of every method (the ring's backward included); "
+            "the ring's log-sum-exp merges are unfused PyTorch ops. Not measured: a ring with fused merges "
+            "(TransformerEngine's), a2a / hierarchical CP, overlap with other layers' work.",
+            "",
+        ]
+        text = "\n".join(head) + markdown(rows)
+        print(text, flush=True)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump({"device": dev, "world": world, "backend": backend, "dtype": str(dtype),
+                           "torch": torch.__version__, "date": str(datetime.date.today()),
+                           "command": " ".join(shlex.quote(a) for a in sys.argv), "lengths": lengths,
+                           "repeats": args.repeats, "warmup": args.warmup, "rows": rows, "markdown": text}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tiny", action="store_true", help="CPU, gloo, float32, a few hundred tokens (a smoke test)")
+    ap.add_argument("--nproc", type=int, default=None, help="ranks to spawn (default: every GPU; 2 with --tiny); "
+                    "ignored under torchrun")
+    ap.add_argument("--tokens", type=int, default=32 * 1024)
+    ap.add_argument("--heads", default="16,128")
+    ap.add_argument("--cp", default=None, help="comma-separated CP sizes (default: 2, 4, 8 up to the world size)")
+    ap.add_argument("--repeats", type=int, default=None, help="default 20 (tiny: 3)")
+    ap.add_argument("--warmup", type=int, default=None, help="default 3 (tiny: 1)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="write the rows (and the markdown table) as JSON here")
+    args = ap.parse_args()
+    args.repeats = args.repeats or (3 if args.tiny else 20)
+    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
+    nproc = args.nproc or (2 if args.tiny else torch.cuda.device_count())
+    if nproc < 2:
+        raise SystemExit("bench_mla_cp: needs at least 2 ranks (2 GPUs without --tiny)")
+    with tempfile.TemporaryDirectory() as d:
+        torch.multiprocessing.spawn(_spawned, args=(nproc, args, os.path.join(d, "init")), nprocs=nproc, join=True)
+
+
+def _spawned(rank, world, args, init_file):
+    run(rank, world, args, init_file)
+
+
+if __name__ == "__main__":
+    main()
