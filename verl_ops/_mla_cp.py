@@ -18,10 +18,11 @@ Why all-gather and not a ring: see docs/megatron.md#context-parallel (measured: 
 moves the same bytes in one collective and keeps one fused attention call per rank; the ring
 needs ``cp`` calls and log-sum-exp merges per layer).
 
-Collectives: every rank of the group issues the same ones (two all-gathers forward, two
-reduce-scatters backward) whatever its data, an empty shard included. The plan (index and
-offsets) is built once per offsets tensor, with one host read of the offsets and one status
-exchange over the group, so a rank whose input is bad makes every rank raise instead of hanging.
+Collectives: every rank of the group issues the same ones (a 4-byte status all-reduce and two
+all-gathers forward, two reduce-scatters backward) whatever its data or what it remembers, an
+empty shard included; the status exchange makes every rank raise when one rank's input is bad,
+instead of some ranks waiting in the all-gather. The plan (index and offsets) is built once per
+offsets tensor, with one host read of the offsets.
 """
 
 from __future__ import annotations
@@ -96,8 +97,7 @@ class CpPlan:
         seg_c = c.repeat_interleave(2)
         seg_kv = seg_c * (mine + 1).repeat(len(c))
         seg_start = (cu[:-1] // cp).repeat_interleave(2)
-        first = torch.cat([seg_kv.new_zeros(1), seg_kv.cumsum(0)[:-1]])
-        p = torch.arange(int(seg_kv.sum()), dtype=torch.int64) - torch.repeat_interleave(first, seg_kv)
+        p = _positions_in_segments(seg_kv)
         c_row = torch.repeat_interleave(seg_c, seg_kv)
         chunk = torch.div(p, c_row.clamp(min=1), rounding_mode="floor")
         second = chunk >= cp  # chunks cp .. 2 cp - 1 sit second on rank 2 cp - 1 - chunk
@@ -116,11 +116,14 @@ class CpPlan:
         keep = b > a
         a, b, start = a[keep], b[keep], cu[:-1][keep]
         seg_q, seg_kv = b - a, b - start
-        kv_index = torch.repeat_interleave(start, seg_kv) + (
-            torch.arange(int(seg_kv.sum()), dtype=torch.int64)
-            - torch.repeat_interleave(torch.cat([seg_kv.new_zeros(1), seg_kv.cumsum(0)[:-1]]), seg_kv)
-        )
+        kv_index = torch.repeat_interleave(start, seg_kv) + _positions_in_segments(seg_kv)
         return seg_q, seg_kv, kv_index
+
+
+def _positions_in_segments(lengths: torch.Tensor) -> torch.Tensor:
+    """``[0 .. lengths[0]), [0 .. lengths[1]), ...`` concatenated (int64)."""
+    first = lengths.cumsum(0) - lengths
+    return torch.arange(int(lengths.sum()), dtype=torch.int64) - torch.repeat_interleave(first, lengths)
 
 
 def _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) -> str:
@@ -143,18 +146,14 @@ def _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) -> str:
     lengths = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or bool((lengths < 0).any()):
         return f"{OP}: cu_seqlens_padded must start at 0 and be non-decreasing, got {cu.tolist()}"
-    if cp_layout == "zigzag":
-        bad = (lengths % (2 * cp) != 0).nonzero()
-        if bad.numel():
-            i = int(bad[0])
-            return (
-                f"{OP}: cu_seqlens_padded: sequence {i} has padded length {int(lengths[i])}, not a multiple "
-                f"of {2 * cp} (zigzag layout over {cp} CP ranks)"
-            )
-    elif int(cu[-1]) % cp:
+    # The layout rules pad every sequence to a multiple of 2 cp (zigzag) or cp (contiguous).
+    align = 2 * cp if cp_layout == "zigzag" else cp
+    bad = (lengths % align != 0).nonzero()
+    if bad.numel():
+        i = int(bad[0])
         return (
-            f"{OP}: cu_seqlens_padded: the padded total {int(cu[-1])} is not a multiple of {cp} "
-            f"(contiguous layout over {cp} CP ranks)"
+            f"{OP}: cu_seqlens_padded: sequence {i} has padded length {int(lengths[i])}, not a multiple "
+            f"of {align} ({cp_layout} layout over {cp} CP ranks; docs/layout.md#alignment)"
         )
     if int(cu[-1]) // cp != q.shape[0]:
         return (
@@ -167,11 +166,11 @@ def _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) -> str:
 def _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, group) -> CpPlan:
     key = (cp, rank, cp_layout, str(q.device), cu_seqlens_padded._version)
     cached = getattr(cu_seqlens_padded, _PLAN_ATTR, None)
-    if cached is not None and cached.key == key and cached.local_rows == q.shape[0]:
-        return cached
-    error = _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout)
-    # Status exchange: every rank learns whether any rank's arguments are bad, so all raise
-    # together rather than some waiting in the all-gather.
+    fresh = cached is None or cached.key != key
+    error = _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) if fresh else _shard_error(q, k, v, cached)
+    # Status exchange on every call, whatever a rank remembers from earlier calls: every rank
+    # learns whether any rank's arguments are bad, so all raise together rather than some
+    # waiting in the all-gather. (One 4-byte all-reduce per call.)
     dev = q.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
     status = torch.tensor([1 if error else 0], dtype=torch.int32, device=dev)
     dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
@@ -179,12 +178,32 @@ def _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, group) -> CpPlan:
         raise ValueError(error)
     if int(status.item()):
         raise ValueError(f"{OP}: another rank of the CP group got bad arguments (see its error); this rank's are fine")
+    if not fresh:
+        return cached
     plan = CpPlan(cu_seqlens_padded, cp, rank, cp_layout, q.device)
     try:
         setattr(cu_seqlens_padded, _PLAN_ATTR, plan)
     except (AttributeError, RuntimeError):  # e.g. a tensor subclass that takes no attributes
         pass
     return plan
+
+
+def _shard_error(q, k, v, plan: CpPlan) -> str:
+    """The checks of :func:`_local_error` that do not read the (already checked) offsets."""
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        return f"{OP}: q, k, v must be [t, n, d], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+    if not (q.shape[0] == k.shape[0] == v.shape[0] == plan.local_rows):
+        return (
+            f"{OP}: q, k, v have {q.shape[0]}, {k.shape[0]}, {v.shape[0]} rows, but this rank's shard of "
+            f"cu_seqlens_padded has {plan.local_rows}"
+        )
+    if k.shape[1] != v.shape[1] or q.shape[1] % max(k.shape[1], 1) != 0:
+        return f"{OP}: heads of q / k / v do not match: {q.shape[1]}, {k.shape[1]}, {v.shape[1]}"
+    if k.shape[2] != q.shape[2] or v.shape[2] > q.shape[2]:
+        return f"{OP}: head dims must be q == k >= v, got q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]}"
+    if not (q.dtype == k.dtype == v.dtype):
+        return f"{OP}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    return ""
 
 
 def mla_cp_attention(
