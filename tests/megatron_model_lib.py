@@ -394,6 +394,10 @@ def build_model(config, core_attention: str, *, size: ModelSize | str = "tiny", 
     size = SIZES[size] if isinstance(size, str) else size
     block, mtp = build_specs(config, core_attention)
     torch.manual_seed(seed)
+    if torch.device(device).type == "cuda":
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)  # (GPU initialisation forks its RNG tracker)
     with megatron_device(device):
         model = GPTModel(
             config=config,
@@ -436,12 +440,32 @@ def randomize_expert_bias(model, seed: int) -> None:
 @dataclass
 class Batch:
     """One ragged micro-batch (RL-like): token ids, a loss mask (prompt 0, response 1) and
-    per-token weights (advantages), all jagged nested on ``device``."""
+    per-token weights (advantages), all jagged nested on ``device``.
+
+    The model's output at position ``p`` is the loss of token ``p + 1`` (verl's rolled labels);
+    ``has_next`` (bool, flat) marks the positions that have a next token (all but each sequence's
+    last, whose rolled label is verl's wrap-around filler) and ``next_mask`` (flat) is the loss
+    mask of that next token (0 where there is none)."""
 
     lengths: list
     input_ids: torch.Tensor
     loss_mask: torch.Tensor
     weights: torch.Tensor
+
+    @property
+    def has_next(self) -> torch.Tensor:
+        offsets = self.input_ids.offsets()
+        last = offsets[1:] - 1
+        keep = torch.ones(int(offsets[-1]), dtype=torch.bool, device=offsets.device)
+        keep[last[self.input_ids.offsets().diff() > 0]] = False
+        return keep
+
+    @property
+    def next_mask(self) -> torch.Tensor:
+        mask = self.loss_mask.values()
+        out = torch.zeros_like(mask)
+        out[:-1] = mask[1:]
+        return out * self.has_next.to(mask.dtype)
 
     def to(self, device):
         nest = lambda t: torch.nested.nested_tensor_from_jagged(t.values().to(device), t.offsets().to(device))  # noqa: E731
@@ -457,7 +481,16 @@ def random_lengths(rng: random.Random, n_min=3, n_max=8, lo=5, hi=200, mu=3.5, s
     return lengths
 
 
-def make_batch(lengths, vocab: int, seed: int, device="cpu") -> Batch:
+def make_batch(lengths, vocab: int, seed: int, device="cpu", *, cp_invariant_mtp: int | None = None) -> Batch:
+    """Random token ids; loss mask 0 on each sequence's prompt (its first third, token 0 always),
+    1 on its response; weights uniform in [-0.5, 1.5).
+
+    ``cp_invariant_mtp=cp``: also 0 at position ``j * c + 1`` of every sequence, for each of the
+    ``2 * cp`` zigzag chunks of length ``c`` that CP ``cp`` cuts it into (internal zeros, like tool
+    outputs in a response). Megatron's MTP loss rolls the loss mask over CP ranks and, from
+    megatron-core 0.18 on, rescales each rank's MTP loss by its own mask count before / after that
+    roll; with these zeros no mask value crosses a chunk boundary, every rank's ratio is 1, and the
+    MTP gradients of a CP run equal those of one process (as they do on 0.16 in any case)."""
     g = torch.Generator().manual_seed(seed)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     total = int(offsets[-1])
@@ -466,6 +499,12 @@ def make_batch(lengths, vocab: int, seed: int, device="cpu") -> Batch:
     for i, n in enumerate(lengths):
         prompt = max(1, n // 3) if n > 1 else 1  # token 0 is always prompt (loss 0)
         mask[offsets[i] + prompt : offsets[i + 1]] = 1.0
+        if cp_invariant_mtp is not None and cp_invariant_mtp > 1:
+            cp = cp_invariant_mtp
+            c = -(-n // (2 * cp))  # chunk length: the length padded to a multiple of 2 * cp, / (2 * cp)
+            for j in range(2 * cp):
+                if j * c + 1 < n:
+                    mask[offsets[i] + j * c + 1] = 0.0
     weights = torch.rand(total, generator=g) * 2 - 0.5
     nest = lambda t: torch.nested.nested_tensor_from_jagged(t.to(device), offsets.to(device))  # noqa: E731
     return Batch(list(lengths), nest(ids), nest(mask), nest(weights))
@@ -512,7 +551,7 @@ def verl_pack(monkeypatch=None) -> PackFns:
 
 @dataclass
 class StepResult:
-    loss_per_token: torch.Tensor  # [total_tokens] float32 (cross entropy of the next token), valid tokens
+    loss_per_token: torch.Tensor  # float32, cross entropy of the next token at every position that has one
     objective: float
     recorded: list | None  # per router: recorded top-k [T_local, K] (RECORD) or None
     packed_seq_params: object
@@ -520,7 +559,7 @@ class StepResult:
 
 def forward_backward(model, batch: Batch, pack: PackFns, *, replay=None, device="cpu", backward=True) -> StepResult:
     """verl's model-engine forward of ``batch`` (THD, MTP on), then backward of
-    ``sum(weights * loss_mask * loss_per_token)`` (+ the MTP loss Megatron attaches).
+    ``sum(weights * next_mask * loss)`` over every position (+ the MTP loss Megatron attaches).
 
     ``replay``: None (the routers route), ``"record"`` (RECORD: the routers' top-k is returned in
     ``recorded``) or a list of per-router ``[T_local, K]`` targets (REPLAY_FORWARD)."""
@@ -554,9 +593,10 @@ def forward_backward(model, batch: Batch, pack: PackFns, *, replay=None, device=
         )  # [1, T_local]: cross entropy of each row's label
         per_token = pack.postprocess_thd_engine(loss, psp, batch.input_ids, len(batch.lengths))
         values = per_token.values() if per_token.is_nested else per_token
-        objective = (values * batch.weights.values() * batch.loss_mask.values()).sum()
+        objective = (values * batch.weights.values() * batch.next_mask).sum()
         if backward:
             objective.backward()
+        values = values[batch.has_next]
     recorded = [r.get_recorded_indices().detach().clone() for r in rs] if replay == "record" else None
     for r in rs:
         r.clear_indices()
@@ -574,9 +614,16 @@ def grads(model) -> dict:
     }
 
 
+def snapshot(model) -> dict:
+    """A copy of ``model``'s state dict (tensors cloned) for :func:`copy_weights`."""
+    return {k: (v.detach().clone() if isinstance(v, torch.Tensor) else v) for k, v in model.state_dict().items()}
+
+
 def copy_weights(dst, src) -> None:
-    """``dst``'s parameters and buffers := ``src``'s (expert biases included)."""
-    missing, unexpected = dst.load_state_dict(src.state_dict(), strict=False)
+    """``dst``'s parameters and buffers := ``src``'s (a model or a :func:`snapshot`; expert biases
+    included)."""
+    state = src if isinstance(src, dict) else src.state_dict()
+    missing, unexpected = dst.load_state_dict(state, strict=False)
     real_missing = [k for k in missing if not k.endswith("_extra_state")]
     if real_missing or unexpected:
         raise ValueError(f"copy_weights: missing {real_missing}, unexpected {unexpected}")

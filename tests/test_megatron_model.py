@@ -1,0 +1,408 @@
+"""verl_ops inside a real megatron-core model: training steps of a tiny DeepSeek-V3-like GPTModel
+(MLA + MoE + MTP, megatron-core's local layer specs, no TransformerEngine) on verl's THD path,
+verl_ops' path against verl's.
+
+* verl_ops' path: ``MLACoreAttention`` in every MLA core attention (``megatron_mla.install``), the
+  batch packed / unpacked by verl_ops' drop-ins, router replay through verl_ops' drop-ins.
+* The reference ("verl's path"): a plain per-sequence torch attention with V zero-padded to the
+  query head dim (tests/megatron_model_lib.py), the batch packed / unpacked by verl 0.9.1's own
+  ``preprocess_thd_engine`` / ``postprocess_thd_engine``.
+
+Both models start from the same weights. Each step records the reference's routing with Megatron's
+``RouterReplay`` (RECORD), carries it through ``merge_router_topk_indices`` (record: layers' top-k ->
+per-sequence routes) and ``set_router_replay_data`` (replay: routes -> packed targets), and replays
+it in verl_ops' path (REPLAY_FORWARD), so both route every token identically; then the per-token
+loss (cross entropy of the next token, unpacked per sequence) and every parameter's gradient are
+compared, and both models take an SGD step.
+
+Context parallel: the same model with ``context_parallel_size=2`` on 2 ranks (gloo on the CPU, NCCL
+when 2 GPUs are visible), the batch packed for cp=2 zigzag by the drop-ins and the single-process
+routes scattered to each rank, against the single-process result.
+
+Everything runs in a pool of 2 worker processes (tests/_dist.py); the single-process checks run
+on both ranks with different batches (megatron-core's model-parallel state with TP = CP = 1).
+Needs megatron-core and verl (``pip install --no-deps verl==0.9.1 megatron-core==0.16.1``); the
+module is skipped without them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import megatron_model_lib as lib  # noqa: E402
+
+
+def _requirements_missing():
+    if not lib.megatron_available():
+        return "needs megatron-core (pip install --no-deps megatron-core==0.16.1)"
+    import importlib.util
+
+    if importlib.util.find_spec("verl") is None:
+        return "needs verl for its THD functions (pip install --no-deps verl==0.9.1)"
+    return None
+
+
+_MISSING = _requirements_missing()
+pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
+
+MODULE = "test_megatron_model"
+STEPS = 3
+
+# (device, dtype, size) -> tolerances: "max" = max |a - b| / max |b| per tensor; "norm" = ||a - b|| / ||b||.
+# float32 on the CPU: both paths are float32 end to end (attention accumulates in float32 on both).
+# bf16 on a GPU: two attention implementations rounding to bf16 in different places, 3 SGD steps.
+TOLERANCES = {
+    ("cpu", "float32"): {"metric": "max", "loss": 2e-5, "grad": 2e-5, "param": 2e-5},
+    ("cuda", "float32"): {"metric": "max", "loss": 1e-4, "grad": 2e-4, "param": 1e-4},
+    ("cuda", "bfloat16"): {"metric": "norm", "loss": 2e-2, "grad": 5e-2, "param": 1e-2},
+}
+
+CASES = [
+    pytest.param(("cpu", "float32", "tiny"), id="cpu-float32-tiny"),
+    pytest.param(("cuda", "float32", "real"), id="cuda-float32-real", marks=pytest.mark.gpu),
+    pytest.param(("cuda", "bfloat16", "real"), id="cuda-bfloat16-real", marks=pytest.mark.gpu),
+]
+
+# --------------------------------------------------------------------------------------------
+# Pools.
+
+_pools: dict = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_pools():
+    yield
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+def _pool(backend: str):
+    from _dist import DistPool
+
+    if backend not in _pools:
+        _pools[backend] = DistPool(2, backend, pg_timeout_s=60.0)
+    return _pools[backend]
+
+
+def _run(backend: str, name: str, *args, timeout_s: float = 240.0):
+    return _pool(backend).run(f"{MODULE}:{name}", *args, timeout_s=timeout_s)
+
+
+# --------------------------------------------------------------------------------------------
+# Comparison helpers (used on the ranks; they return numbers, the test asserts).
+
+
+def _err(a: torch.Tensor, b: torch.Tensor, metric: str) -> float:
+    if metric == "max":
+        return lib.max_rel_err(a, b)
+    a, b = a.double(), b.double()
+    den = float(b.norm())
+    num = float((a - b).norm())
+    return 0.0 if num == 0.0 else (num / den if den > 0 else float("inf"))
+
+
+def _grad_report(ours: dict, ref: dict, metric: str) -> dict:
+    """Per-parameter errors of ``ours`` against ``ref`` (name -> error), and the names that have a
+    gradient on one side only."""
+    one_sided = sorted(n for n in set(ours) | set(ref) if (ours.get(n) is None) != (ref.get(n) is None))
+    errors = {n: _err(ours[n], ref[n], metric) for n in ref if ref[n] is not None and ours.get(n) is not None}
+    return {"errors": errors, "one_sided": one_sided, "no_grad": sorted(n for n in ref if ref[n] is None)}
+
+
+def _setup_rank(rank: int, device_kind: str):
+    torch.set_num_threads(1)
+    if device_kind == "cuda":
+        device = torch.device("cuda", rank % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        lib.eager_megatron_fusions()
+    return device
+
+
+def _mla_core_attention_types(model) -> list:
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    return [type(m.core_attention).__name__ for m in model.modules() if isinstance(m, MultiLatentAttention)]
+
+
+def _route_pairs(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """(tokens whose top-k sets agree in every layer, tokens) of two [T, L, K] route tensors."""
+    sa, sb = a.long().sort(dim=-1).values, b.long().sort(dim=-1).values
+    same = (sa == sb).all(dim=-1).all(dim=-1)
+    return int(same.sum()), int(same.numel())
+
+
+def _routes_values(routes) -> torch.Tensor:
+    return (routes.values() if routes.is_nested else routes).cpu()
+
+
+# --------------------------------------------------------------------------------------------
+# Rank tasks.
+
+
+def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
+    """``steps`` SGD steps of verl_ops' path and the reference from the same weights on this rank's
+    batches (seed + rank); returns per-step errors (see test_training_steps_match_reference)."""
+    from verl_ops.integrations.verl_router import merge_router_topk_indices, set_router_replay_data
+
+    device = _setup_rank(rank, device_kind)
+    dtype = getattr(torch, dtype_name)
+    metric = TOLERANCES[(device_kind, dtype_name)]["metric"]
+    size = lib.SIZES[size_name]
+    lib.init_distributed(1, device)
+    cfg = lib.make_config(size, dtype=dtype, device=device)
+    ref = lib.build_model(cfg, "reference", size=size, device=device, seed=seed)
+    lib.randomize_expert_bias(ref, seed + 1)
+    ours = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed + 7)
+    lib.copy_weights(ours, ref)
+    report = {
+        "attention": {"reference": _mla_core_attention_types(ref), "verl_ops": _mla_core_attention_types(ours)},
+        "routers": len(lib.routers(ref)),
+        "steps": [],
+    }
+    ref_pack, our_pack = lib.verl_pack(), lib.verl_ops_pack()
+    lr = 0.05
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
+    opt_ours = torch.optim.SGD(ours.parameters(), lr=lr)
+    rng = random.Random(seed * 1000 + rank)
+    for step in range(steps):
+        if device_kind == "cuda":
+            lengths = lib.random_lengths(rng, 3, 8, lo=16, hi=2048, mu=6.0, sigma=1.0)
+        else:
+            lengths = lib.random_lengths(rng)
+        batch = lib.make_batch(lengths, size.vocab, seed * 100 + 10 * rank + step, device)
+        opt_ref.zero_grad(set_to_none=True)
+        opt_ours.zero_grad(set_to_none=True)
+        got = lib.forward_backward(ref, batch, ref_pack, replay="record", device=device)
+        # record: the reference's per-layer top-k -> per-sequence routes [B, j, L, K] (int16)
+        routes = merge_router_topk_indices(None, batch.input_ids, got.recorded, cfg)
+        # replay: routes -> this rank's packed targets [L, T, K] (int64), the verl_ops model's layout
+        targets, _ = set_router_replay_data(routes, None, cfg)
+        entry = {
+            "lengths": lengths,
+            "targets_equal_recorded": [
+                bool(torch.equal(t.cpu(), r.long().cpu())) for t, r in zip(targets, got.recorded)
+            ],
+            "targets_shape": [tuple(t.shape) for t in targets],
+            "recorded_shape": [tuple(r.shape) for r in got.recorded],
+        }
+        if step == 0:
+            # verl_ops' path routing on its own (RECORD, no replay), from the same weights
+            with torch.no_grad():
+                free = lib.forward_backward(ours, batch, our_pack, replay="record", device=device, backward=False)
+            free_routes = merge_router_topk_indices(None, batch.input_ids, free.recorded, cfg)
+            entry["free_routing_agree"] = _route_pairs(_routes_values(free_routes), _routes_values(routes))
+        mine = lib.forward_backward(ours, batch, our_pack, replay=list(targets), device=device)
+        entry["tokens"] = int(got.loss_per_token.numel())
+        entry["loss_err"] = _err(mine.loss_per_token, got.loss_per_token, metric)
+        entry["objective"] = (mine.objective, got.objective)
+        entry["loss_finite"] = bool(torch.isfinite(got.loss_per_token).all() and torch.isfinite(mine.loss_per_token).all())
+        entry["grads"] = _grad_report(lib.grads(ours), lib.grads(ref), metric)
+        opt_ref.step()
+        opt_ours.step()
+        report["steps"].append(entry)
+    ref_params = dict(ref.named_parameters())
+    report["param_errors"] = {n: _err(p.detach().float(), ref_params[n].detach().float(), metric)
+                              for n, p in ours.named_parameters()}
+    return report
+
+
+def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
+    """CP = 2 (this pool's 2 ranks): verl_ops' model with context_parallel_size=2 against the same
+    model in one process (run on each rank before), ``steps`` SGD steps from the same weights."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from verl_ops.integrations.verl_router import merge_router_topk_indices, set_router_replay_data
+
+    device = _setup_rank(rank, device_kind)
+    dtype = getattr(torch, dtype_name)
+    metric = TOLERANCES[(device_kind, dtype_name)]["metric"]
+    size = lib.SIZES[size_name]
+    cp = world
+    rng = random.Random(seed)  # the same batches on every rank
+    batches = []
+    for step in range(steps):
+        if device_kind == "cuda":
+            lengths = lib.random_lengths(rng, 3, 8, lo=16, hi=2048, mu=6.0, sigma=1.0)
+        else:
+            lengths = lib.random_lengths(rng)
+        batches.append(lib.make_batch(lengths, size.vocab, seed * 100 + step, device, cp_invariant_mtp=cp))
+    lr = 0.05
+
+    # One process (model-parallel state with CP = 1 on each rank): the reference routes the batch
+    # (RECORD), verl_ops' model replays it.
+    lib.init_distributed(1, device)
+    cfg1 = lib.make_config(size, dtype=dtype, device=device, cp_size=1)
+    ref = lib.build_model(cfg1, "reference", size=size, device=device, seed=seed)
+    lib.randomize_expert_bias(ref, seed + 1)
+    single = lib.build_model(cfg1, "verl_ops", size=size, device=device, seed=seed)
+    lib.copy_weights(single, ref)
+    initial = lib.snapshot(ref)
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
+    opt_single = torch.optim.SGD(single.parameters(), lr=lr)
+    ref_pack, our_pack = lib.verl_pack(), lib.verl_ops_pack()
+    singles = []
+    for batch in batches:
+        opt_ref.zero_grad(set_to_none=True)
+        opt_single.zero_grad(set_to_none=True)
+        got = lib.forward_backward(ref, batch, ref_pack, replay="record", device=device)
+        routes = merge_router_topk_indices(None, batch.input_ids, got.recorded, cfg1)
+        targets, _ = set_router_replay_data(routes, None, cfg1)
+        one = lib.forward_backward(single, batch, our_pack, replay=list(targets), device=device)
+        singles.append((routes, one.loss_per_token, lib.grads(single)))
+        opt_ref.step()
+        opt_single.step()
+
+    # CP = 2: the same weights; the single-process routes scattered to this rank's rows.
+    lib.init_distributed(cp, device)
+    assert parallel_state.get_context_parallel_world_size() == cp
+    cfg = lib.make_config(size, dtype=dtype, device=device, cp_size=cp)
+    model = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed + 3)
+    lib.copy_weights(model, initial)
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    group = parallel_state.get_context_parallel_group()
+    report = {"attention": _mla_core_attention_types(model), "steps": []}
+    for batch, (routes, loss_single, grads_single) in zip(batches, singles):
+        opt.zero_grad(set_to_none=True)
+        targets, _ = set_router_replay_data(routes, None, cfg)
+        res = lib.forward_backward(model, batch, our_pack, replay=list(targets), device=device)
+        # the routes this rank replayed, merged back over the CP group: the single-process routes
+        merged = merge_router_topk_indices(
+            None, batch.input_ids, list(targets), cfg, packed_seq_params=res.packed_seq_params
+        )
+        # Megatron's data-parallel gradient reduction spans DP x CP: the sum over the CP ranks
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, group=group)
+        entry = {
+            "lengths": batch.lengths,
+            "local_rows": int(res.packed_seq_params.cu_seqlens_q_padded[-1]) // cp,
+            "routes_equal": bool(torch.equal(_routes_values(merged), _routes_values(routes))),
+            "loss_err": _err(res.loss_per_token, loss_single, metric),
+            "loss_finite": bool(torch.isfinite(res.loss_per_token).all()),
+            "grads": _grad_report(lib.grads(model), grads_single, metric),
+        }
+        report["steps"].append(entry)
+        opt.step()
+    return report
+
+
+# --------------------------------------------------------------------------------------------
+# Assertions (in the test process).
+
+
+def _check_grads(what: str, grads: dict, tol: float, metric: str):
+    assert not grads["one_sided"], f"{what}: parameters with a gradient on one side only: {grads['one_sided']}"
+    errors = grads["errors"]
+    assert errors, f"{what}: no gradient was compared"
+    attention = [n for n in errors if ".self_attention." in n]
+    assert attention, f"{what}: no attention parameter got a gradient"
+    assert not [n for n in grads["no_grad"] if ".self_attention." in n or "mtp" in n], (
+        f"{what}: attention / MTP parameters without a gradient: {grads['no_grad']}"
+    )
+    worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
+    bad = {n: e for n, e in errors.items() if not e <= tol}
+    assert not bad, f"{what}: {len(bad)} of {len(errors)} gradients differ beyond {metric} {tol:g}; worst {worst}"
+
+
+def _device_kind_or_skip(device_kind, dtype_name):
+    if device_kind == "cuda":
+        import verl_ops
+
+        if not torch.cuda.is_available():
+            pytest.skip("needs CUDA")
+        if not verl_ops.cuda_available():
+            pytest.skip("verl_ops was built without its CUDA kernels")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_training_steps_match_reference(case):
+    """3 SGD steps on ragged batches (3-8 sequences, one of length 1): the per-token loss and every
+    parameter's gradient of verl_ops' path equal the reference's, with the routing recorded on the
+    reference and replayed through verl_ops' merge / scatter; on each of the pool's 2 ranks with
+    its own batches."""
+    device_kind, dtype_name, size_name = case
+    _device_kind_or_skip(device_kind, dtype_name)
+    tol = TOLERANCES[(device_kind, dtype_name)]
+    reports = _run("gloo", "steps_task", device_kind, dtype_name, size_name, 11, STEPS)
+    for rank, rep in enumerate(reports):
+        assert rep["attention"]["reference"] == ["ReferenceMLACoreAttention"] * 3, rep["attention"]
+        assert rep["attention"]["verl_ops"] == ["MLACoreAttention"] * 3, (
+            f"verl_ops' model must run MLACoreAttention in its 2 decoder layers and its MTP layer: {rep['attention']}"
+        )
+        assert rep["routers"] == 2, f"one MoE layer in the decoder and one in MTP, got {rep['routers']} routers"
+        assert len(rep["steps"]) == STEPS
+        for step, e in enumerate(rep["steps"]):
+            what = f"rank {rank} step {step} lengths {e['lengths']}"
+            assert 1 in e["lengths"], f"{what}: the batch must hold a length-1 sequence"
+            assert e["tokens"] == sum(n - 1 for n in e["lengths"] if n > 0), f"{what}: {e['tokens']} per-token losses"
+            assert e["recorded_shape"] == e["targets_shape"] == [(sum(e["lengths"]), lib.SIZES[size_name].topk)] * 2, (
+                f"{what}: recorded {e['recorded_shape']} vs replayed {e['targets_shape']}"
+            )
+            assert all(e["targets_equal_recorded"]), (
+                f"{what}: the replayed routes (merge_router_topk -> scatter_router_topk) differ from the "
+                f"recorded ones per layer: {e['targets_equal_recorded']}"
+            )
+            if step == 0:
+                same, n = e["free_routing_agree"]
+                need = n if dtype_name == "float32" else int(0.95 * n)
+                assert same >= need, (
+                    f"{what}: without replay, verl_ops' path routes {n - same} of {n} tokens differently from "
+                    "the reference on the same weights"
+                )
+            assert e["loss_finite"], f"{what}: non-finite loss"
+            assert e["loss_err"] <= tol["loss"], (
+                f"{what}: per-token loss differs: {tol['metric']} error {e['loss_err']:.3g} > {tol['loss']:g} "
+                f"(objective {e['objective'][0]:.6g} vs reference {e['objective'][1]:.6g})"
+            )
+            _check_grads(what, e["grads"], tol["grad"], tol["metric"])
+        bad = {n: v for n, v in rep["param_errors"].items() if not v <= tol["param"]}
+        assert not bad, f"rank {rank}: parameters after {STEPS} steps differ: {bad}"
+
+
+CP_CASES = [
+    pytest.param(("gloo", "cpu", "float32", "tiny"), id="gloo-cpu-float32-tiny"),
+    pytest.param(("nccl", "cuda", "bfloat16", "real"), id="nccl-cuda-bfloat16-real", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("case", CP_CASES)
+def test_context_parallel_matches_single_process(case):
+    """context_parallel_size=2 on 2 ranks (zigzag THD from the drop-ins, MLACoreAttention's K / V
+    all-gather, Megatron's CP rope and MTP roll): per-token loss and every gradient (summed over
+    the CP ranks) equal the single-process model's, 2 SGD steps, routing replayed from the
+    single-process record; the routes each rank replayed merge back to the recorded ones."""
+    backend, device_kind, dtype_name, size_name = case
+    _device_kind_or_skip(device_kind, dtype_name)
+    if backend == "nccl":
+        import torch.distributed as dist
+
+        if torch.cuda.device_count() < 2:
+            pytest.skip(f"CP = 2 over NCCL needs 2 GPUs, found {torch.cuda.device_count()}")
+        if not dist.is_nccl_available():
+            pytest.skip("torch was built without NCCL")
+    tol = TOLERANCES[(device_kind, dtype_name)]
+    reports = _run(backend, "cp_task", device_kind, dtype_name, size_name, 5, 2)
+    for rank, rep in enumerate(reports):
+        assert rep["attention"] == ["MLACoreAttention"] * 3, rep["attention"]
+        for step, e in enumerate(rep["steps"]):
+            what = f"cp=2 rank {rank} step {step} lengths {e['lengths']}"
+            assert e["routes_equal"], f"{what}: the routes replayed on the CP ranks do not merge back to the recorded ones"
+            assert e["loss_finite"], f"{what}: non-finite loss"
+            assert e["loss_err"] <= tol["loss"], (
+                f"{what}: per-token loss differs from the single process: {tol['metric']} error "
+                f"{e['loss_err']:.3g} > {tol['loss']:g}"
+            )
+            _check_grads(what, e["grads"], tol["grad"], tol["metric"])
+    # both ranks hold the whole (gathered) result: the same numbers
+    assert [e["loss_err"] for e in reports[0]["steps"]] == [e["loss_err"] for e in reports[1]["steps"]]
