@@ -198,6 +198,11 @@ def run_case(group, cp, r, device, lengths, cp_layout, dtype, heads, dqk, dv, se
     return layout.local_rows
 
 
+def _kind(device):
+    """(dtype, Dqk, Dv) of the small checks: float64 24/16 on the CPU, bf16 192/128 (MLA's) on CUDA."""
+    return (torch.float64, 24, 16) if device.type == "cpu" else (torch.bfloat16, 192, 128)
+
+
 def _setup(rank, backend):
     import torch.distributed as dist
 
@@ -256,10 +261,10 @@ def check_no_group_is_plain_attention(rank, world, backend):
     dist, device = _setup(rank, backend)
     own = [dist.new_group([i]) for i in range(world)]  # every rank creates every group, in order
     rng = random.Random(100 + rank)  # each rank its own batch
-    dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
+    dtype, dqk, dv = _kind(device)
     for group in (None, own[rank]):
         for cp_layout in ("zigzag", "contiguous"):
-            run_case(group, 1, 0, device, ragged_lengths(rng, 5), cp_layout, dtype, 2, 24, 16, rng.randrange(2**31))
+            run_case(group, 1, 0, device, ragged_lengths(rng, 5), cp_layout, dtype, 2, dqk, dv, rng.randrange(2**31))
     return True
 
 
@@ -298,23 +303,24 @@ def check_empty(rank, world, backend):
     the group is in step afterwards."""
     dist, device = _setup(rank, backend)
     group = dist.group.WORLD
-    dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
+    dtype, dqk, dv = _kind(device)
     for cp_layout in ("zigzag", "contiguous"):
         for lengths in ([], [0], [0, 0, 0]):
-            assert run_case(group, world, rank, device, lengths, cp_layout, dtype, 2, 24, 16, 1) == 0
+            assert run_case(group, world, rank, device, lengths, cp_layout, dtype, 2, dqk, dv, 1) == 0
     # Explicit: the shapes of the result and of the gradients.
-    q = torch.zeros(0, 3, 24, dtype=dtype, device=device, requires_grad=True)
-    k = torch.zeros(0, 3, 24, dtype=dtype, device=device, requires_grad=True)
-    v = torch.zeros(0, 3, 16, dtype=dtype, device=device, requires_grad=True)
+    q = torch.zeros(0, 3, dqk, dtype=dtype, device=device, requires_grad=True)
+    k = torch.zeros(0, 3, dqk, dtype=dtype, device=device, requires_grad=True)
+    v = torch.zeros(0, 3, dv, dtype=dtype, device=device, requires_grad=True)
     out = verl_ops.mla_cp_attention(q, k, v, torch.zeros(1, dtype=torch.int32), 0, cp_group=group)
-    assert tuple(out.shape) == (0, 3, 16)
+    assert tuple(out.shape) == (0, 3, dv)
     out.sum().backward()
-    assert tuple(q.grad.shape) == (0, 3, 24) and tuple(k.grad.shape) == (0, 3, 24) and tuple(v.grad.shape) == (0, 3, 16)
-    run_case(group, world, rank, device, [3, 0, 8], "zigzag", dtype, 2, 24, 16, 2)
+    assert tuple(q.grad.shape) == (0, 3, dqk) and tuple(k.grad.shape) == (0, 3, dqk) and tuple(v.grad.shape) == (0, 3, dv)
+    run_case(group, world, rank, device, [3, 0, 8], "zigzag", dtype, 2, dqk, dv, 2)
     return True
 
 
-def _valid_shard(world, rank, device, dtype=torch.float64, lengths=(5, 9), heads=2, dqk=24, dv=16, cp_layout="zigzag"):
+def _valid_shard(world, rank, device, lengths=(5, 9), heads=2, cp_layout="zigzag"):
+    dtype, dqk, dv = _kind(device)
     layout = ThdLayout.from_lengths(list(lengths), cp_size=world, cp_layout=cp_layout)
     t = layout.local_rows
     g = torch.Generator().manual_seed(rank)
@@ -328,29 +334,30 @@ def check_bad_input(rank, world, backend):
     argument, no hang, and the group still in step afterwards."""
     dist, device = _setup(rank, backend)
     group = dist.group.WORLD
-    dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
-    q, k, v, cu, max_seqlen = _valid_shard(world, rank, device, dtype)
+    dtype, dqk, dv = _kind(device)
+    q, k, v, cu, max_seqlen = _valid_shard(world, rank, device)
 
     def call(q=q, k=k, v=v, cu=cu, max_seqlen=max_seqlen, **kw):
-        return verl_ops.mla_cp_attention(q, k, v, cu, max_seqlen, cp_group=group, **kw)
+        # A fresh offsets tensor each call: what is checked here is the first call's validation.
+        return verl_ops.mla_cp_attention(q, k, v, cu.clone(), max_seqlen, cp_group=group, **kw)
 
     call()  # the valid call works
     # Zigzag: a padded length that is not a multiple of 2 * cp (the total still splits in cp).
     bad_cu = torch.tensor([0, 2 * world, 3 * world], dtype=torch.int32)
     t = 3
-    q3, k3 = (torch.ones(t, 2, 24, dtype=dtype, device=device) for _ in range(2))
-    v3 = torch.ones(t, 2, 16, dtype=dtype, device=device)
+    q3, k3 = (torch.ones(t, 2, dqk, dtype=dtype, device=device) for _ in range(2))
+    v3 = torch.ones(t, 2, dv, dtype=dtype, device=device)
     _expect_error(r"cu_seqlens_padded.*multiple", lambda: call(q3, k3, v3, bad_cu, 2 * world))
     # Contiguous: a padded length that is not a multiple of cp.
     bad_cu = torch.tensor([0, world + 1, 2 * world], dtype=torch.int32)
-    q2, k2 = (torch.ones(2, 2, 24, dtype=dtype, device=device) for _ in range(2))
-    v2 = torch.ones(2, 2, 16, dtype=dtype, device=device)
+    q2, k2 = (torch.ones(2, 2, dqk, dtype=dtype, device=device) for _ in range(2))
+    v2 = torch.ones(2, 2, dv, dtype=dtype, device=device)
     _expect_error(r"cu_seqlens_padded", lambda: call(q2, k2, v2, bad_cu, world + 1, cp_layout="contiguous"))
     # Offsets that do not start at 0 / decrease.
     _expect_error(r"cu_seqlens_padded", lambda: call(cu=cu + 2 * world))
     _expect_error(r"cu_seqlens_padded", lambda: call(cu=cu.flip(0)))
     # The value head dim above the query head dim.
-    _expect_error(r"\bv\b", lambda: call(v=torch.ones(q.shape[0], 2, 32, dtype=dtype, device=device)))
+    _expect_error(r"\bv\b", lambda: call(v=torch.ones(q.shape[0], 2, dqk + 8, dtype=dtype, device=device)))
     # Mismatched dtypes.
     other = torch.float32 if dtype != torch.float32 else torch.float64
     _expect_error(r"dtype", lambda: call(k=k.to(other)))
@@ -359,7 +366,7 @@ def check_bad_input(rank, world, backend):
     # A layout name the op does not know.
     _expect_error(r"cp_layout", lambda: call(cp_layout="ring"))
     # Every rank is still in step: a valid call gives the right answer.
-    run_case(group, world, rank, device, [4, 11, 1], "zigzag", dtype, 2, 24, 16, 3)
+    run_case(group, world, rank, device, [4, 11, 1], "zigzag", dtype, 2, dqk, dv, 3)
     return True
 
 
@@ -368,12 +375,27 @@ def check_bad_input_one_rank(rank, world, backend):
     (no rank waits in a collective the bad rank never joins); the group is in step afterwards."""
     dist, device = _setup(rank, backend)
     group = dist.group.WORLD
-    dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
-    q, k, v, cu, max_seqlen = _valid_shard(world, rank, device, dtype)
+    dtype, dqk, dv = _kind(device)
+    q, k, v, cu, max_seqlen = _valid_shard(world, rank, device)
     if rank == 1:
         q, k, v = q[1:], k[1:], v[1:]  # one row short
     _expect_error(r"\S", lambda: verl_ops.mla_cp_attention(q, k, v, cu, max_seqlen, cp_group=group))
-    run_case(group, world, rank, device, [4, 11, 1], "zigzag", dtype, 2, 24, 16, 4)
+    run_case(group, world, rank, device, [4, 11, 1], "zigzag", dtype, 2, dqk, dv, 4)
+    return True
+
+
+def check_bad_input_one_rank_after_a_valid_call(rank, world, backend):
+    """As check_bad_input_one_rank, with the offsets tensor of an earlier valid call (whatever the
+    op remembers about it): every rank raises, none hangs, the group is in step afterwards."""
+    dist, device = _setup(rank, backend)
+    group = dist.group.WORLD
+    dtype, dqk, dv = _kind(device)
+    q, k, v, cu, max_seqlen = _valid_shard(world, rank, device)
+    verl_ops.mla_cp_attention(q, k, v, cu, max_seqlen, cp_group=group)
+    if rank == 1:
+        q, k, v = q[1:], k[1:], v[1:]  # one row short
+    _expect_error(r"\S", lambda: verl_ops.mla_cp_attention(q, k, v, cu, max_seqlen, cp_group=group))
+    run_case(group, world, rank, device, [4, 11, 1], "zigzag", dtype, 2, dqk, dv, 4)
     return True
 
 
@@ -383,12 +405,12 @@ def check_cached_offsets_do_not_change_collectives(rank, world, backend):
     collectives a rank issues do not depend on what it remembers from earlier calls."""
     dist, device = _setup(rank, backend)
     group = dist.group.WORLD
-    dtype = torch.float64 if device.type == "cpu" else torch.bfloat16
+    dtype, dqk, dv = _kind(device)
     lengths = [6, 13, 0, 2]
     layout = ThdLayout.from_lengths(lengths, cp_size=world, cp_layout="zigzag")
     shared = layout.cu_seqlens_padded_cpu.clone()
     rows = rank_rows(shared.tolist(), world, rank, "zigzag")
-    q, k, v, grad = _full_batch(5, layout.total_padded, 2, 24, 16, dtype)
+    q, k, v, grad = _full_batch(5, layout.total_padded, 2, dqk, dv, dtype)
     if device.type == "cpu":
         want = _attend(q, k, v, grad, shared, layout.max_seqlen, None)[0][rows]
     else:
@@ -430,6 +452,10 @@ def test_bad_input_raises_on_every_rank(dist_run):
 def test_bad_input_on_one_rank_raises_everywhere(dist_run):
     # Less than the pool's 30 s collective timeout: a rank left waiting in a collective is a hang.
     dist_run("check_bad_input_one_rank", timeout_s=25.0)
+
+
+def test_bad_input_on_one_rank_after_a_valid_call(dist_run):
+    dist_run("check_bad_input_one_rank_after_a_valid_call", timeout_s=25.0)
 
 
 def test_offsets_cache_does_not_change_collectives(dist_run):
