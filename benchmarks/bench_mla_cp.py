@@ -256,6 +256,24 @@ def ring_attention(q, k, v, plan, scale, backend=0):
 # One batch.
 
 
+def saved_bytes(fn, q, k, v):
+    """Bytes of the tensors autograd keeps for the backward of fn(q, k, v), beyond q, k and v
+    themselves (each storage counted once)."""
+    sizes = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        sizes[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(q, k, v)
+    for x in (q, k, v):
+        sizes.pop(x.untyped_storage().data_ptr(), None)
+    del out
+    return sum(sizes.values())
+
+
 def _rel_err(got, want):
     got, want = got.double(), want.double()
     return float((got - want).abs().max() / want.abs().max().clamp(min=1.0))
@@ -347,6 +365,7 @@ def bench_case(rank, world, device, dtype, cp, heads, lengths, args, rows):
             if not max(errs) < tol:
                 raise RuntimeError(f"mismatch against the single-device attention: errors out/dq/dk/dv {errs}")
             qg.grad = kg_.grad = vg_.grad = None
+            row["saved_mb"] = saved_bytes(fn, qg, kg_, vg_) / 1e6
             with torch.no_grad():
                 row["fwd_s"] = timeit(lambda: fn(ql, kl, vl), device, args.repeats, args.warmup)
             row["all_s"] = timeit(fwd_bwd_of(fn, qg, kg_, vg_), device, args.repeats, args.warmup)
@@ -370,6 +389,7 @@ def bench_case(rank, world, device, dtype, cp, heads, lengths, args, rows):
         qf.grad = kf.grad = vf.grad = None
 
     single["all_s"] = timeit(full_step, device, args.repeats, args.warmup) / cp
+    single["saved_mb"] = saved_bytes(full, qf, kf, vf) / 1e6 / cp
     del qf, kf, vf
     base = results["ours (all-gather)"]
     for row in (*results.values(), comm, single):
@@ -380,21 +400,39 @@ def bench_case(rank, world, device, dtype, cp, heads, lengths, args, rows):
         rows.append(row)
 
 
+def summary(rows):
+    """One line per (cp, heads): each method's time over ours, and ours over the ideal."""
+    lines = []
+    keys = sorted({(r["cp"], r["heads"]) for r in rows})
+    for cp, heads in keys:
+        by = {r["method"]: r for r in rows if (r["cp"], r["heads"]) == (cp, heads) and "error" not in r}
+        parts = []
+        for name, short in (("ring (p2p)", "ring"), ("all-gather, V padded to 192", "V padded"),
+                            ("single device, whole batch / cp (ideal)", "ideal")):
+            if name in by and "fwd_ratio" in by[name]:
+                parts.append(f"{short} / ours: fwd {by[name]['fwd_ratio']:.2f}x, fwd+bwd {by[name]['all_ratio']:.2f}x")
+            elif name in {r["method"] for r in rows if (r["cp"], r["heads"]) == (cp, heads)}:
+                parts.append(f"{short}: failed (see the table)")
+        lines.append(f"- cp={cp}, {heads} heads: " + "; ".join(parts))
+    return lines
+
+
 def fmt_ms(s):
     return f"{s * 1e3:.3f}" if s is not None else "—"
 
 
 def markdown(rows):
-    lines = ["| method | cp | heads | fwd ms | fwd+bwd ms | fwd / ours | fwd+bwd / ours | max err |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | cp | heads | fwd ms | fwd+bwd ms | fwd / ours | fwd+bwd / ours | saved for bwd MB/rank | max err |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['method']} | {r['cp']} | {r['heads']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['method']} | {r['cp']} | {r['heads']} | error: {r['error']} | | | | | |")
             continue
         err = f"{r['max_err']:.1e}" if "max_err" in r else ""
+        saved = f"{r['saved_mb']:.1f}" if "saved_mb" in r else ""
         lines.append(
             f"| {r['method']} | {r['cp']} | {r['heads']} | {fmt_ms(r.get('fwd_s'))} | {fmt_ms(r.get('all_s'))} "
-            f"| {r.get('fwd_ratio', float('nan')):.2f}x | {r.get('all_ratio', float('nan')):.2f}x | {err} |"
+            f"| {r.get('fwd_ratio', float('nan')):.2f}x | {r.get('all_ratio', float('nan')):.2f}x | {saved} | {err} |"
         )
     return "\n".join(lines)
 
@@ -441,11 +479,14 @@ def run(rank, world, args, init_file=None):
             f"{len(lengths)} sequences, {sum(lengths)} tokens, lengths {lengths}. Per-rank time: median of "
             f"{args.repeats} repeats after {args.warmup} warm-up, slowest rank; each CP group of the world runs "
             "at once. Measured: forward and forward+backward of every method (the ring's backward included); "
-            "the ring's log-sum-exp merges are unfused PyTorch ops. Not measured: a ring with fused merges "
-            "(TransformerEngine's), a2a / hierarchical CP, overlap with other layers' work.",
+            "the ring's log-sum-exp merges are unfused PyTorch ops. 'saved for bwd': bytes autograd keeps "
+            "for the backward beyond q, k, v (each storage once; the single-device row divided by cp). "
+            "max err: largest |error| / max(|reference|, 1) of out, dq, dk, dv against the single-device "
+            "attention's rows. Not measured: a ring with fused merges (TransformerEngine's), a2a / "
+            "hierarchical CP, overlap with other layers' work.",
             "",
         ]
-        text = "\n".join(head) + markdown(rows)
+        text = "\n".join(head) + markdown(rows) + "\n\n" + "\n".join(summary(rows))
         print(text, flush=True)
         if args.out:
             with open(args.out, "w") as f:
