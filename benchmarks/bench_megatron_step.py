@@ -28,8 +28,10 @@ One step, as verl's model engine runs it (``verl/models/mcore/model_forward.py``
   unpack    ``postprocess_thd_engine(log_probs)`` -> jagged ``[B, j]``
   loss      ``-sum(log_probs * advantages * response_mask) / sum(response_mask)``, backward
 
-Paths (the same model and weights; only the MLA core-attention modules and the pack/unpack
-functions are swapped between runs):
+Paths (one model, so the same weights; between runs only the MLA core-attention modules, the
+pack/unpack functions and the megatron-core functions that ``megatron_mla.install`` replaced are
+swapped — the latter found by comparing megatron-core's module and class attributes before and
+after the model is built, and printed):
   verl      verl 0.9.1's own ``preprocess_thd_engine`` / ``postprocess_thd_engine`` (the installed
             verl's ``verl/models/mcore/util.py``) and Megatron's MLA THD path as verl runs it: V
             zero-padded to the query head dim (F.pad), torch's varlen FlashAttention
@@ -38,7 +40,10 @@ functions are swapped between runs):
             trimmed back to 128 (on megatron-core >= 0.18 MultiLatentAttention pads and trims
             itself; before that verl's patch of its forward does)
   verl_ops  ``verl_ops.integrations.verl.preprocess_thd_engine`` / ``postprocess_thd_engine`` and
-            ``MLACoreAttention`` in every MLA slot (``megatron_mla.install(spec)``): V kept at 128
+            ``MLACoreAttention`` in every MLA slot (``megatron_mla.install(spec)``): V kept at 128,
+            with whatever else ``install`` puts into megatron-core
+Both paths run with ``verl_ops.integrations.megatron_compat.patch_megatron_core()`` applied: without
+it megatron-core's MLA and MoE layers do not run without TransformerEngine.
 
 Timing: each step is ``torch.cuda.synchronize()``-bracketed (the step has host reads of its
 own: verl's packing functions read the lengths), wall clock and CUDA events around it; warm-up
@@ -51,12 +56,13 @@ helper kernels), GEMMs, MoE routing / permute (router, dispatcher, the MoE layer
 processing), MLA rope (``apply_rotary_pos_emb``), MLA q/k concatenation (``torch.cat`` of the
 no-rope and rope parts), V pad / output trim, other copies, elementwise / norm, log-prob loss,
 the data path (pack / unpack), other. Backward kernels are grouped by the forward op that made
-their autograd node (the profiler's sequence numbers). Prints a table per path and the top-10
-non-GEMM kernels.
+their autograd node (the profiler's sequence numbers). Prints both paths side by side and each
+path's top-10 non-GEMM kernels.
 
-Output: a markdown table (size, path, step ms median, speedup = verl / verl_ops), the profile
-tables, and JSON to ``--out``. Before timing, each size checks that both paths give the same
-per-token log-probs and loss (bf16 tolerance) — a path that errors is reported, not timed.
+Output (at the end, after a few lines per size): the profile tables, then a markdown table (size,
+path, step ms median, speedup = verl / path, same results), and JSON to ``--out``. Before timing,
+each size runs both paths once on the same batch and compares per-token log-probs, loss and every
+parameter's gradient (bf16 tolerance; the exit status is 1 on a mismatch or an error).
 """
 
 from __future__ import annotations
@@ -412,15 +418,16 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_paths(step, batch, paths, reps, warmup, device):
+def time_paths(step, batches, paths, reps, warmup, device):
     """Median step time per path (ms): wall clock between synchronisations, and CUDA events.
-    The paths alternate in rounds (their warm-ups first)."""
+    The paths alternate in rounds (their warm-ups first); round r runs ``batches[r % len]`` on
+    both paths."""
     model = step.model
     for path in paths:
         step.use(path)
-        for _ in range(warmup):
+        for i in range(max(warmup, len(batches) if warmup else 0)):
             model.zero_grad(set_to_none=True)
-            step(batch)
+            step(batches[i % len(batches)])
         sync(device)
     wall = {p: [] for p in paths}
     events = {p: [] for p in paths}
@@ -434,7 +441,7 @@ def time_paths(step, batch, paths, reps, warmup, device):
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
             t0 = time.perf_counter()
-            step(batch)
+            step(batches[r % len(batches)])
             if device.type == "cuda":
                 e1.record()
             sync(device)
@@ -712,6 +719,8 @@ def profile_path(step, batch, path, steps=2):
 
 
 def print_profile(size_label, profiles, times=None):
+    """The category table (both paths side by side) and one table of each path's top-10 non-GEMM
+    kernels."""
     print(f"\n### GPU kernel time per step, {size_label} (ms; torch.profiler, mean of 2 steps)\n")
     paths = list(profiles)
     print("| category | " + " | ".join(paths) + " | " + " / ".join(paths) + " |")
@@ -725,22 +734,22 @@ def print_profile(size_label, profiles, times=None):
     print("| **total kernel time** | " + " | ".join(f"**{v:.2f}**" for v in tot) + f" | {ratio} |")
     for p in paths:
         pr = profiles[p]
-        line = (f"\n{p}: {pr['kernel_ms_attributed']:.2f} of {pr['kernel_ms_total']:.2f} ms of kernel time "
+        line = (f"{p}: {pr['kernel_ms_attributed']:.2f} of {pr['kernel_ms_total']:.2f} ms of kernel time "
                 f"traced to the op that launched it (the rest is in 'other')")
         if times and p in times:
             step_ms = times[p]["wall_ms"]
             busy = 100 * pr["kernel_ms_total"] / step_ms
             line += f"; kernels fill {busy:.0f}% of the {step_ms:.1f} ms step"
         print(line)
+    print(f"\n### Top-10 non-GEMM kernels per path, {size_label}\n")
+    print("| path | ms | category | kernel |")
+    print("|---|---:|---|---|")
     for p in paths:
-        print(f"\nTop-10 non-GEMM kernels, {p} ({size_label}):\n")
-        print("| ms | category | kernel |")
-        print("|---:|---|---|")
         rows = [k for k in profiles[p]["top_kernels"] if k["category"] != "GEMM"][:10]
         for k in rows:
             name = k["kernel"]
-            name = name if len(name) <= 110 else name[:107] + "..."
-            print(f"| {k['ms']:.3f} | {k['category']} | `{name}` |")
+            name = name if len(name) <= 100 else name[:97] + "..."
+            print(f"| {p} | {k['ms']:.3f} | {k['category']} | `{name}` |")
 
 
 # --------------------------------------------------------------------------------------------
@@ -794,15 +803,22 @@ def run_size(label, size, args, device, dtype, results):
     else:
         prompts, responses = rl_batch_lengths(args.seed, tokens=args.tokens)
     batch = Batch(prompts, responses, size.vocab, device, args.seed)
+    batches = [batch]
+    for k in range(1, args.batches):  # more RL-ragged batches, seeds seed+1, ...
+        pk, rk = rl_batch_lengths(args.seed + k, tokens=args.tokens)
+        batches.append(Batch(pk, rk, size.vocab, device, args.seed + k))
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"\n## {label}: hidden {size.hidden}, {size.heads} heads, {n_params / 1e6:.1f} M parameters "
+    print(f"\n## {label}: {n_params / 1e6:.1f} M parameters "
           f"(built in {time.perf_counter() - t0:.1f} s); batch {len(batch.lengths)} sequences, "
           f"{batch.tokens} tokens (longest {max(batch.lengths)})")
     print(f"lengths (prompt+response): {' '.join(f'{p}+{r}' for p, r in zip(prompts, responses))}")
+    if len(batches) > 1:
+        print(f"timed over {len(batches)} batches (seeds {args.seed}..{args.seed + len(batches) - 1}): "
+              f"{', '.join(f'{len(x.lengths)} seq / longest {max(x.lengths)}' for x in batches)}")
     patched = ", ".join(step.patch_names()) or "none"
     print(f"megatron-core functions that verl_ops replaces (swapped per path, verl_ops only): {patched}")
     entry = {"patched": step.patch_names(), "label": label, "hidden": size.hidden, "heads": size.heads,
-             "params": n_params,
+             "params": n_params, "timed_batches": [x.lengths for x in batches],
              "lengths": batch.lengths, "prompts": prompts, "responses": responses, "tokens": batch.tokens}
     try:
         ok, errs = check_paths(step, batch, dtype)
@@ -818,15 +834,13 @@ def run_size(label, size, args, device, dtype, results):
           f"rel. diff {errs['loss_rel_err']:.2e}, gradients rel. L2 diff: attention params max "
           f"{errs['grad_rel_l2_attention_max']:.2e}, all params max {errs['grad_rel_l2_max']:.2e} "
           f"({errs['grad_rel_l2_worst_param']}) -> {'OK' if ok else 'MISMATCH'}")
-    reps, warmup = (1, 0) if args.smoke else (args.reps, args.warmup)
-    times = time_paths(step, batch, list(PATHS), reps, warmup, device)
+    times = time_paths(step, batches, list(PATHS), args.reps, args.warmup, device)
     entry["times"] = times
     if device.type == "cuda":
         entry["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     results.append(entry)
     if args.profile and (args.tiny or size.hidden == max(args.sizes)):  # (the CPU: no kernels)
         entry["profile"] = {p: profile_path(step, batch, p) for p in PATHS}
-        print_profile(label, entry["profile"], times)
     del step, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -845,6 +859,9 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batches", type=int, default=1,
+                    help="time over this many RL-ragged batches (seeds seed, seed+1, ...; round r runs batch "
+                         "r mod N on both paths) instead of one: new lengths every step, as in training")
     ap.add_argument("--profile", action=argparse.BooleanOptionalAction, default=None,
                     help="torch.profiler breakdown at the largest size (default: on, off with --tiny; on the "
                          "CPU it only exercises the code: no kernels)")
@@ -852,6 +869,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
     args.smoke = args.tiny or args.cpu
+    if args.smoke:  # one step each: a check that it runs, not a timing
+        args.reps, args.warmup, args.batches = 1, 0, 1
     if args.profile is None:
         args.profile = not args.smoke
 
@@ -887,27 +906,33 @@ def main(argv=None):
           "V at its native 128")
 
     results = []
-    sizes = [("tiny", tiny_size())] if args.tiny else [(f"hidden {h}", model_size(h)) for h in args.sizes]
+    sizes = [tiny_size()] if args.tiny else [model_size(h) for h in args.sizes]
+    sizes = [(f"{'tiny, ' if args.tiny else ''}hidden {z.hidden} / {z.heads} heads", z) for z in sizes]
     for label, size in sizes:
         run_size(label, size, args, device, dtype, results)
 
+    for e in results:
+        if "profile" in e:
+            print_profile(e["label"], e["profile"], e.get("times"))
     print("\n## Step time\n")
-    print("| size | path | step ms (median) | GPU events ms | speedup |")
-    print("|---|---|---:|---:|---:|")
+    print("| size | path | step ms (median) | GPU events ms | speedup | same results |")
+    print("|---|---|---:|---:|---:|---|")
     for e in results:
         if "times" not in e:
-            print(f"| {e['label']} | (error) | {e.get('error', '')} | | |")
+            print(f"| {e['label']} | (error) | {e.get('error', '')} | | | |")
             continue
         base = e["times"]["verl"]["wall_ms"]
+        same = "OK" if e["check"]["ok"] else "MISMATCH"
         for p in PATHS:
             t = e["times"][p]
             ev = f"{t['event_ms']:.1f}" if t["event_ms"] is not None else "-"
-            print(f"| {e['label']} ({e['tokens']} tok) | {p} | {t['wall_ms']:.1f} | {ev} | "
-                  f"{base / t['wall_ms']:.2f}x |")
+            speedup = "-" if smoke else f"{base / t['wall_ms']:.2f}x"
+            print(f"| {e['label']} ({e['tokens']} tok) | {p} | {t['wall_ms']:.1f} | {ev} | {speedup} | "
+                  f"{same if p != 'verl' else ''} |")
     if smoke:
         print("\n(smoke run on the CPU: one step each, no warm-up; the times say nothing about the GPU)")
     print(f"\nspeedup = verl step time / path step time; wall clock between synchronisations, median of "
-          f"{1 if smoke else args.reps} (warm-up {0 if smoke else args.warmup}); total run "
+          f"{args.reps} (warm-up {args.warmup}); total run "
           f"{time.perf_counter() - t_start:.0f} s")
     if args.out:
         meta = {
