@@ -14,9 +14,9 @@ with the bottom-right causal alignment of :func:`mla_forward_padded` that is one
 gathered from the all-gathered K / V by one precomputed index (about ``(1 + 1 / (2 cp))`` times
 the full K / V for zigzag).
 
-Why all-gather and not a ring: see docs/megatron.md#context-parallel (measured: the all-gather
-moves the same bytes in one collective and keeps one fused attention call per rank; the ring
-needs ``cp`` calls and log-sum-exp merges per layer).
+Why all-gather and not a ring: docs/megatron.md#context-parallel (one collective per tensor and
+one fused attention call per rank; the ring needs ``cp`` calls and log-sum-exp merges per layer;
+benchmarks/bench_mla_cp.py measures both).
 
 Collectives: every rank of the group issues the same ones (a 4-byte status all-reduce and two
 all-gathers forward, two reduce-scatters backward) whatever its data or what it remembers, an
@@ -32,7 +32,9 @@ import math
 import torch
 import torch.distributed as dist
 
-from ._mla import mla_forward_padded
+from ._mla import BACKENDS, mla_forward_padded
+
+_ops = torch.ops.verl_ops
 
 OP = "mla_cp_attention"
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -46,29 +48,56 @@ def group_size_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-class _AllGather(torch.autograd.Function):
-    """``[t, ...]`` on each rank -> ``[cp * t, ...]`` rank-major; backward: reduce-scatter (sum)."""
+def _all_gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """``[t, ...]`` on each rank -> ``[size * t, ...]``, rank-major."""
+    x = x.contiguous()
+    out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
+    dist.all_gather_into_tensor(out, x, group=group)
+    return out
+
+
+def _reduce_scatter(x: torch.Tensor, group, size: int) -> torch.Tensor:
+    """The adjoint of :func:`_all_gather`: ``[size * t, ...]`` summed over the ranks, this rank's
+    ``[t, ...]`` block. ``x`` is a buffer of the caller's (it may be overwritten)."""
+    rows = x.shape[0] // size
+    if dist.get_backend(group) == "gloo":  # gloo has no reduce-scatter
+        dist.all_reduce(x, group=group)
+        rank = dist.get_rank(group)
+        return x[rank * rows : (rank + 1) * rows].clone()
+    out = x.new_empty((rows,) + tuple(x.shape[1:]))
+    dist.reduce_scatter_tensor(out, x, group=group)
+    return out
+
+
+class _CpAttention(torch.autograd.Function):
+    """All-gather K / V, attend this rank's query segments to their key prefixes (one varlen call),
+    and the adjoint. Only this rank's q, k, v, out and lse are kept for the backward, which
+    gathers K / V again: the memory kept per layer shrinks with the CP size, as CP is for."""
 
     @staticmethod
-    def forward(ctx, x, group, size):
-        ctx.group, ctx.size = group, size
-        x = x.contiguous()
-        out = x.new_empty((size * x.shape[0],) + tuple(x.shape[1:]))
-        dist.all_gather_into_tensor(out, x, group=group)
+    def forward(ctx, q, k, v, plan, group, cp, scale, backend_code):
+        k_seg = _all_gather(k, group, cp).index_select(0, plan.kv_index)
+        v_seg = _all_gather(v, group, cp).index_select(0, plan.kv_index)
+        out, lse = _ops.mla_forward_padded(
+            q, k_seg, v_seg, plan.cu_q, plan.cu_kv, plan.max_q, plan.max_kv, True, scale, backend_code
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.meta = (plan, group, cp, scale, backend_code)
         return out
 
     @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        rows = grad.shape[0] // ctx.size
-        out = grad.new_empty((rows,) + tuple(grad.shape[1:]))
-        if dist.get_backend(ctx.group) == "gloo":  # gloo has no reduce-scatter
-            dist.all_reduce(grad, group=ctx.group)
-            rank = dist.get_rank(ctx.group)
-            out.copy_(grad[rank * rows : (rank + 1) * rows])
-        else:
-            dist.reduce_scatter_tensor(out, grad, group=ctx.group)
-        return out, None, None
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, group, cp, scale, backend_code = ctx.meta
+        k_all = _all_gather(k, group, cp)
+        v_all = _all_gather(v, group, cp)
+        dq, dk_seg, dv_seg = _ops.mla_backward_padded(
+            grad_out.contiguous(), q, k_all.index_select(0, plan.kv_index), v_all.index_select(0, plan.kv_index),
+            out, lse, plan.cu_q, plan.cu_kv, plan.max_q, plan.max_kv, True, scale, backend_code,
+        )
+        dk_all = torch.zeros_like(k_all).index_add_(0, plan.kv_index, dk_seg)
+        dv_all = torch.zeros_like(v_all).index_add_(0, plan.kv_index, dv_seg)
+        return dq, _reduce_scatter(dk_all, group, cp), _reduce_scatter(dv_all, group, cp), None, None, None, None, None
 
 
 class CpPlan:
@@ -225,11 +254,13 @@ def mla_cp_attention(
         cu_seqlens_padded: int32 ``[B + 1]``, the global padded offsets (each padded length a
             multiple of ``2 * cp`` for zigzag; the total a multiple of ``cp`` for contiguous), any
             device.
-        max_seqlen: the longest padded sequence (used only without CP; ``None`` reads it).
+        max_seqlen: the longest padded sequence (used only without CP, where ``None`` reads it;
+            under CP the plan computes its segments' lengths from the offsets).
         cp_group: the context-parallel process group (``None`` or one rank: no CP).
         cp_layout: ``"zigzag"`` or ``"contiguous"``.
         softmax_scale: default ``1 / sqrt(Dqk)``.
-        backend: :func:`mla_forward_padded`'s backend.
+        backend: :func:`mla_forward_padded`'s backend (``"auto"``, ``"padded"``, ``"native"``,
+            ``"varlen"``).
 
     Returns:
         ``[t_local, n, Dv]``, equal to the rows of this rank in causal attention over the whole
@@ -237,6 +268,8 @@ def mla_cp_attention(
     """
     if cp_layout not in CP_LAYOUTS:
         raise ValueError(f"{OP}: cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"{OP}: backend must be one of {BACKENDS}, got {backend!r}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     cp, rank = group_size_rank(cp_group)
@@ -249,11 +282,4 @@ def mla_cp_attention(
             q, k, v, cu32, cu32, max_seqlen, max_seqlen, causal=True, softmax_scale=softmax_scale, backend=backend
         )
     plan = _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, cp_group)
-    k_all = _AllGather.apply(k, cp_group, cp)
-    v_all = _AllGather.apply(v, cp_group, cp)
-    k_seg = k_all.index_select(0, plan.kv_index)
-    v_seg = v_all.index_select(0, plan.kv_index)
-    return mla_forward_padded(
-        q, k_seg, v_seg, plan.cu_q, plan.cu_kv, plan.max_q, plan.max_kv,
-        causal=True, softmax_scale=softmax_scale, backend=backend, validate=False,
-    )
+    return _CpAttention.apply(q, k, v, plan, cp_group, cp, float(softmax_scale), BACKENDS.index(backend))
