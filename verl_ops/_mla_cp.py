@@ -19,7 +19,7 @@ one fused attention call per rank; the ring needs ``cp`` calls and log-sum-exp m
 benchmarks/bench_mla_cp.py measures both).
 
 Collectives: every rank of the group issues the same ones (a 4-byte status all-reduce and two
-all-gathers forward, two reduce-scatters backward) whatever its data or what it remembers, an
+all-gathers forward; two all-gathers and two reduce-scatters backward) whatever its data or what it remembers, an
 empty shard included; the status exchange makes every rank raise when one rank's input is bad,
 instead of some ranks waiting in the all-gather. The plan (index and offsets) is built once per
 offsets tensor, with one host read of the offsets.
