@@ -124,6 +124,41 @@ def eager_megatron_fusions() -> None:
     torch._dynamo.config.disable = True
 
 
+def _verl_ops_patches() -> list:
+    """(module, name, original) of every megatron-core module-level function that verl_ops has
+    replaced (marked with megatron_mla's patch attribute, the original in ``__wrapped__``)."""
+    try:
+        from verl_ops.integrations import megatron_mla
+
+        marker = getattr(megatron_mla, "_PATCHED_ATTR", "_verl_ops_mla_patched")
+    except ImportError:
+        marker = "_verl_ops_mla_patched"
+    found = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not mod_name.startswith("megatron."):
+            continue
+        for name, value in list(vars(mod).items()):
+            if callable(value) and getattr(value, marker, False) and hasattr(value, "__wrapped__"):
+                found.append((mod, name, value.__wrapped__))
+    return found
+
+
+@contextlib.contextmanager
+def megatron_as_shipped():
+    """Inside: megatron-core's module-level functions as megatron-core ships them — every one that
+    ``megatron_mla.install()`` replaced process-wide (e.g. the THD RoPE) is put back — so that the
+    reference path runs none of verl_ops' code. Yields the names put back."""
+    patches = _verl_ops_patches()
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in patches]
+    for mod, name, original in patches:
+        setattr(mod, name, original)
+    try:
+        yield [f"{mod.__name__}.{name}" for mod, name, _ in patches]
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
 def init_distributed(cp_size: int = 1, device="cpu") -> None:
     """megatron-core's model-parallel state with ``context_parallel_size=cp_size`` (TP = PP = EP = 1).
 
@@ -487,10 +522,11 @@ def make_batch(lengths, vocab: int, seed: int, device="cpu", *, cp_invariant_mtp
 
     ``cp_invariant_mtp=cp``: also 0 at position ``j * c + 1`` of every sequence, for each of the
     ``2 * cp`` zigzag chunks of length ``c`` that CP ``cp`` cuts it into (internal zeros, like tool
-    outputs in a response). Megatron's MTP loss rolls the loss mask over CP ranks and, from
-    megatron-core 0.18 on, rescales each rank's MTP loss by its own mask count before / after that
-    roll; with these zeros no mask value crosses a chunk boundary, every rank's ratio is 1, and the
-    MTP gradients of a CP run equal those of one process (as they do on 0.16 in any case)."""
+    outputs in a response). Megatron's MTP loss rolls the loss mask over CP ranks, and newer
+    megatron-core (0.19.2; not 0.16.1) rescales each rank's per-token MTP loss by that rank's own
+    mask count before / after the roll; with these zeros no mask value crosses a chunk boundary,
+    every rank's ratio is 1, and the MTP gradients of a CP run equal those of one process (on
+    0.16.1 they do with any mask)."""
     g = torch.Generator().manual_seed(seed)
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
     total = int(offsets[-1])
@@ -557,12 +593,15 @@ class StepResult:
     packed_seq_params: object
 
 
-def forward_backward(model, batch: Batch, pack: PackFns, *, replay=None, device="cpu", backward=True) -> StepResult:
+def forward_backward(
+    model, batch: Batch, pack: PackFns, *, replay=None, device="cpu", backward=True, as_shipped=False
+) -> StepResult:
     """verl's model-engine forward of ``batch`` (THD, MTP on), then backward of
     ``sum(weights * next_mask * loss)`` over every position (+ the MTP loss Megatron attaches).
 
     ``replay``: None (the routers route), ``"record"`` (RECORD: the routers' top-k is returned in
-    ``recorded``) or a list of per-router ``[T_local, K]`` targets (REPLAY_FORWARD)."""
+    ``recorded``) or a list of per-router ``[T_local, K]`` targets (REPLAY_FORWARD).
+    ``as_shipped``: forward and backward inside :func:`megatron_as_shipped` (the reference path)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     rs = routers(model) if replay is not None else []
@@ -579,7 +618,7 @@ def forward_backward(model, batch: Batch, pack: PackFns, *, replay=None, device=
             r.set_target_indices(target.to(device))
             r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
 
-    with megatron_device(device):
+    with megatron_device(device), (megatron_as_shipped() if as_shipped else contextlib.nullcontext()):
         input_ids, psp, position_ids = pack.preprocess_thd_engine(batch.input_ids, pre_process=True)
         labels = pack.preprocess_thd_engine(batch.input_ids, pre_process=True, need_roll=True)[0]
         loss_mask = pack.preprocess_thd_engine(batch.loss_mask, pre_process=True, need_roll=True)[0]

@@ -57,16 +57,15 @@ STEPS = 3
 
 # (device, dtype, size) -> tolerances: "max" = max |a - b| / max |b| per tensor; "norm" = ||a - b|| / ||b||.
 # float32 on the CPU: both paths are float32 end to end (attention accumulates in float32 on both).
-# bf16 on a GPU: two attention implementations rounding to bf16 in different places, 3 SGD steps.
+# bf16 on a GPU (verl_ops' CUDA attention takes float16 / bfloat16): two attention implementations
+# rounding to bf16 in different places, 3 SGD steps.
 TOLERANCES = {
     ("cpu", "float32"): {"metric": "max", "loss": 2e-5, "grad": 2e-5, "param": 2e-5},
-    ("cuda", "float32"): {"metric": "max", "loss": 1e-4, "grad": 2e-4, "param": 1e-4},
     ("cuda", "bfloat16"): {"metric": "norm", "loss": 2e-2, "grad": 5e-2, "param": 1e-2},
 }
 
 CASES = [
     pytest.param(("cpu", "float32", "tiny"), id="cpu-float32-tiny"),
-    pytest.param(("cuda", "float32", "real"), id="cuda-float32-real", marks=pytest.mark.gpu),
     pytest.param(("cuda", "bfloat16", "real"), id="cuda-bfloat16-real", marks=pytest.mark.gpu),
 ]
 
@@ -128,6 +127,12 @@ def _setup_rank(rank: int, device_kind: str):
     return device
 
 
+def _megatron_version() -> str:
+    import megatron.core
+
+    return f"megatron-core {getattr(megatron.core, '__version__', '?')}"
+
+
 def _mla_core_attention_types(model) -> list:
     from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
 
@@ -165,6 +170,7 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     ours = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed + 7)
     lib.copy_weights(ours, ref)
     report = {
+        "megatron_core": _megatron_version(),
         "attention": {"reference": _mla_core_attention_types(ref), "verl_ops": _mla_core_attention_types(ours)},
         "routers": len(lib.routers(ref)),
         "steps": [],
@@ -182,7 +188,7 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
         batch = lib.make_batch(lengths, size.vocab, seed * 100 + 10 * rank + step, device)
         opt_ref.zero_grad(set_to_none=True)
         opt_ours.zero_grad(set_to_none=True)
-        got = lib.forward_backward(ref, batch, ref_pack, replay="record", device=device)
+        got = lib.forward_backward(ref, batch, ref_pack, replay="record", device=device, as_shipped=True)
         # record: the reference's per-layer top-k -> per-sequence routes [B, j, L, K] (int16)
         routes = merge_router_topk_indices(None, batch.input_ids, got.recorded, cfg)
         # replay: routes -> this rank's packed targets [L, T, K] (int64), the verl_ops model's layout
@@ -255,7 +261,7 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     for batch in batches:
         opt_ref.zero_grad(set_to_none=True)
         opt_single.zero_grad(set_to_none=True)
-        got = lib.forward_backward(ref, batch, ref_pack, replay="record", device=device)
+        got = lib.forward_backward(ref, batch, ref_pack, replay="record", device=device, as_shipped=True)
         routes = merge_router_topk_indices(None, batch.input_ids, got.recorded, cfg1)
         targets, _ = set_router_replay_data(routes, None, cfg1)
         one = lib.forward_backward(single, batch, our_pack, replay=list(targets), device=device)
@@ -271,7 +277,7 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     lib.copy_weights(model, initial)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     group = parallel_state.get_context_parallel_group()
-    report = {"attention": _mla_core_attention_types(model), "steps": []}
+    report = {"megatron_core": _megatron_version(), "attention": _mla_core_attention_types(model), "steps": []}
     for batch, (routes, loss_single, grads_single) in zip(batches, singles):
         opt.zero_grad(set_to_none=True)
         targets, _ = set_router_replay_data(routes, None, cfg)
@@ -343,7 +349,7 @@ def test_training_steps_match_reference(case):
         assert rep["routers"] == 2, f"one MoE layer in the decoder and one in MTP, got {rep['routers']} routers"
         assert len(rep["steps"]) == STEPS
         for step, e in enumerate(rep["steps"]):
-            what = f"rank {rank} step {step} lengths {e['lengths']}"
+            what = f"{rep['megatron_core']} rank {rank} step {step} lengths {e['lengths']}"
             assert 1 in e["lengths"], f"{what}: the batch must hold a length-1 sequence"
             assert e["tokens"] == sum(n - 1 for n in e["lengths"] if n > 0), f"{what}: {e['tokens']} per-token losses"
             assert e["recorded_shape"] == e["targets_shape"] == [(sum(e["lengths"]), lib.SIZES[size_name].topk)] * 2, (
@@ -396,7 +402,7 @@ def test_context_parallel_matches_single_process(case):
     for rank, rep in enumerate(reports):
         assert rep["attention"] == ["MLACoreAttention"] * 3, rep["attention"]
         for step, e in enumerate(rep["steps"]):
-            what = f"cp=2 rank {rank} step {step} lengths {e['lengths']}"
+            what = f"{rep['megatron_core']} cp=2 rank {rank} step {step} lengths {e['lengths']}"
             assert e["routes_equal"], f"{what}: the routes replayed on the CP ranks do not merge back to the recorded ones"
             assert e["loss_finite"], f"{what}: non-finite loss"
             assert e["loss_err"] <= tol["loss"], (
