@@ -217,8 +217,8 @@ def rl_batch_lengths(seed=0, tokens=30 * 1024, prompt=(64, 512), median=900, sig
                      n_min=16, n_max=24):
     """(prompt lengths, response lengths): prompts uniform in ``prompt``, responses log-normal
     (median, sigma) clipped to [lo, hi], drawn until the batch holds ``tokens`` (the last response
-    cut to fit), with between n_min and n_max sequences (responses rescaled when the draw lands
-    outside)."""
+    cut to fit, the n_max-th takes what is left up to ``hi``); under n_min sequences, the longest
+    response is split in two (same prompt) until there are n_min."""
     r = random.Random(seed)
     prompts, responses, total = [], [], 0
     while total < tokens and len(prompts) < n_max:
@@ -509,7 +509,8 @@ CATEGORIES = (
 # Ops whose own kernels are the attention (the forward / backward op, or verl_ops' op with its
 # helper kernels); a kernel counts as attention when one of these is on its op stack.
 _ATTN_OPS = re.compile(r"aten::_flash_attention|aten::_efficient_attention|aten::_cudnn_attention"
-                       r"|aten::_scaled_dot_product|verl_ops::mla_|flash_attn|torch_attn::", re.I)
+                       r"|aten::_scaled_dot_product|verl_ops::mla_forward|verl_ops::mla_backward|flash_attn"
+                       r"|torch_attn::", re.I)
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::matmul",
              "aten::_scaled_mm", "aten::addmv", "aten::mv", "aten::addbmm"}
 _GEMM_KERNEL = re.compile(r"gemm|nvjet|cublas|splitKreduce|xmma", re.I)
