@@ -116,7 +116,40 @@ def _grad_report(ours: dict, ref: dict, metric: str) -> dict:
     return {"errors": errors, "one_sided": one_sided, "no_grad": sorted(n for n in ref if ref[n] is None)}
 
 
+_COMPAT = {}
+
+
+def _compat_report() -> dict:
+    """megatron-core's defects without TransformerEngine as this process found them before
+    ``patch_megatron_core`` (first call in the process, before any model is built), what it
+    applied, and the state after."""
+    if _COMPAT:
+        return _COMPAT
+    import importlib
+
+    from verl_ops.integrations import megatron_compat
+
+    mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
+    moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+
+    def state():
+        return {
+            "mla_have_te": bool(mla.HAVE_TE),
+            "mla_telinear_is_class": isinstance(getattr(mla, "TELinear", None), type),
+            "moe_have_te": bool(moe_utils.HAVE_TE),
+            "moe_te_general_gemm": "unbound" if not hasattr(moe_utils, "te_general_gemm")
+            else ("None" if moe_utils.te_general_gemm is None else "bound"),
+        }
+
+    _COMPAT["before"] = state()
+    _COMPAT["applied"] = megatron_compat.patch_megatron_core()
+    _COMPAT["again"] = megatron_compat.patch_megatron_core()
+    _COMPAT["after"] = state()
+    return _COMPAT
+
+
 def _setup_rank(rank: int, device_kind: str):
+    _compat_report()
     torch.set_num_threads(1)
     if device_kind == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
@@ -171,6 +204,7 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     lib.copy_weights(ours, ref)
     report = {
         "megatron_core": _megatron_version(),
+        "compat": _compat_report(),
         "attention": {"reference": _mla_core_attention_types(ref), "verl_ops": _mla_core_attention_types(ours)},
         "routers": len(lib.routers(ref)),
         "steps": [],
@@ -331,6 +365,64 @@ def _device_kind_or_skip(device_kind, dtype_name):
             pytest.skip("verl_ops was built without its CUDA kernels")
 
 
+def _check_compat(rep):
+    """patch_megatron_core on the real megatron-core: it applied exactly the fixes whose defect the
+    process had, the defects are gone, and a second call does nothing."""
+    c, v = rep["compat"], rep["megatron_core"]
+    before, after = c["before"], c["after"]
+    te_missing = not before["moe_have_te"]
+    want = []
+    if before["mla_have_te"] and not before["mla_telinear_is_class"]:
+        want.append("fix_mla_have_te")
+    if te_missing and before["moe_te_general_gemm"] == "unbound":
+        want.append("fix_moe_utils_te_names")
+    assert c["applied"] == want, f"{v}: patch_megatron_core applied {c['applied']}, the defects found call for {want}"
+    assert c["again"] == [], f"{v}: a second patch_megatron_core call applied {c['again']}"
+    if te_missing:
+        assert not after["mla_have_te"] or after["mla_telinear_is_class"], (
+            f"{v}: MLA still believes TransformerEngine is there: {after}"
+        )
+        assert after["moe_te_general_gemm"] == "None", f"{v}: moe_utils.te_general_gemm is {after['moe_te_general_gemm']}"
+
+
+def test_compat_fixes_are_feature_detected(monkeypatch):
+    """Each fix of megatron_compat acts only where its defect is (on stand-in modules): the MLA
+    module's HAVE_TE with a TELinear that is not a class, moe_utils' names left unbound without
+    TransformerEngine; it leaves real classes, bound names and TransformerEngine installs alone,
+    and a second call does nothing."""
+    import types
+    from unittest.mock import MagicMock
+
+    from verl_ops.integrations import megatron_compat as mc
+
+    mla = types.ModuleType("megatron.core.transformer.multi_latent_attention")
+    monkeypatch.setitem(sys.modules, mla.__name__, mla)
+    mla.HAVE_TE, mla.TELinear = True, MagicMock()  # what megatron-core 0.16 binds without TE
+    assert mc.fix_mla_have_te() is True and mla.HAVE_TE is False
+    assert mc.fix_mla_have_te() is False
+    real = type("TELinear", (torch.nn.Module,), {})
+    mla.HAVE_TE, mla.TELinear = True, real  # TransformerEngine installed
+    assert mc.fix_mla_have_te() is False and mla.HAVE_TE is True and mla.TELinear is real
+    mla.HAVE_TE, mla.TELinear = False, None  # a release that reads HAVE_TE from the extension
+    assert mc.fix_mla_have_te() is False and mla.HAVE_TE is False
+
+    moe = types.ModuleType("megatron.core.transformer.moe.moe_utils")
+    monkeypatch.setitem(sys.modules, moe.__name__, moe)
+    moe.HAVE_TE = False  # the except branch ran and bound nothing else
+    assert mc.fix_moe_utils_te_names() is True
+    assert moe.te_general_gemm is None and moe.fused_topk_with_score_function is None
+    assert mc.fix_moe_utils_te_names() is False
+    gemm = object()
+    moe2 = types.ModuleType(moe.__name__)
+    monkeypatch.setitem(sys.modules, moe.__name__, moe2)
+    moe2.HAVE_TE, moe2.te_general_gemm = False, gemm  # bound by the module itself: kept
+    assert mc.fix_moe_utils_te_names() is True and moe2.te_general_gemm is gemm and moe2.fused_permute is None
+    moe3 = types.ModuleType(moe.__name__)
+    monkeypatch.setitem(sys.modules, moe.__name__, moe3)
+    moe3.HAVE_TE = True  # TransformerEngine installed: nothing to do
+    assert mc.fix_moe_utils_te_names() is False and not hasattr(moe3, "te_general_gemm")
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_training_steps_match_reference(case):
     """3 SGD steps on ragged batches (3-8 sequences, one of length 1): the per-token loss and every
@@ -342,6 +434,7 @@ def test_training_steps_match_reference(case):
     tol = TOLERANCES[(device_kind, dtype_name)]
     reports = _run("gloo", "steps_task", device_kind, dtype_name, size_name, 11, STEPS)
     for rank, rep in enumerate(reports):
+        _check_compat(rep)
         assert rep["attention"]["reference"] == ["ReferenceMLACoreAttention"] * 3, rep["attention"]
         assert rep["attention"]["verl_ops"] == ["MLACoreAttention"] * 3, (
             f"verl_ops' model must run MLACoreAttention in its 2 decoder layers and its MTP layer: {rep['attention']}"
