@@ -831,17 +831,28 @@ def run_size(label, size, args, device, dtype, results):
         return None
     entry["check"] = {"ok": ok, **errs}
     print(f"check, verl_ops against verl: per-token log-probs max |diff| {errs['logprob_max_abs_diff']:.2e}, "
-          f"loss "
-          f"rel. diff {errs['loss_rel_err']:.2e}, gradients rel. L2 diff: attention params max "
+          f"loss rel. diff {errs['loss_rel_err']:.2e}, gradients rel. L2 diff: attention params max "
           f"{errs['grad_rel_l2_attention_max']:.2e}, all params max {errs['grad_rel_l2_max']:.2e} "
           f"({errs['grad_rel_l2_worst_param']}) -> {'OK' if ok else 'MISMATCH'}")
-    times = time_paths(step, batches, list(PATHS), args.reps, args.warmup, device)
+    try:
+        times = time_paths(step, batches, list(PATHS), args.reps, args.warmup, device)
+    except Exception as e:  # noqa: BLE001
+        traceback.print_exc()
+        entry["error"] = f"{type(e).__name__}: {e}"
+        results.append(entry)
+        print(f"timing failed: {entry['error']}")
+        return None
     entry["times"] = times
     if device.type == "cuda":
         entry["max_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     results.append(entry)
     if args.profile and (args.tiny or size.hidden == max(args.sizes)):  # (the CPU: no kernels)
-        entry["profile"] = {p: profile_path(step, batch, p) for p in PATHS}
+        try:
+            entry["profile"] = {p: profile_path(step, batch, p) for p in PATHS}
+        except Exception as e:  # noqa: BLE001  (the timings stand without it)
+            traceback.print_exc()
+            entry["profile_error"] = f"{type(e).__name__}: {e}"
+            print(f"profile failed: {entry['profile_error']}")
     del step, model
     if device.type == "cuda":
         torch.cuda.empty_cache()
