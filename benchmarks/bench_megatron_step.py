@@ -54,8 +54,10 @@ Profile (``--profile``, default on, at the largest size): torch.profiler over 2 
 CUDA kernel time grouped by what launched it: attention fwd / bwd (the attention op and its own
 helper kernels), GEMMs, MoE routing / permute (router, dispatcher, the MoE layer's pre/post
 processing), MLA rope (``apply_rotary_pos_emb``), MLA q/k concatenation (``torch.cat`` of the
-no-rope and rope parts), V pad / output trim, other copies, elementwise / norm, log-prob loss,
-the data path (pack / unpack), other. Backward kernels are grouped by the forward op that made
+no-rope and rope parts), V pad / output trim (copies inside the core attention, and
+MultiLatentAttention's own pad of V on megatron-core >= 0.18, whose output-trim copy happens in a
+later reshape and lands in other copies), other copies, elementwise / norm, log-prob loss, the
+data path (pack / unpack), other. Backward kernels are grouped by the forward op that made
 their autograd node (the profiler's sequence numbers). Prints both paths side by side and each
 path's top-10 non-GEMM kernels.
 
@@ -554,7 +556,7 @@ def profile_labels(step):
     undo = []
 
     def wrap(owner, name, label):
-        original = owner.__dict__.get(name, None) if not isinstance(owner, type) else owner.__dict__.get(name)
+        original = vars(owner).get(name)  # None: a method of the class, shadowed below
         bound = getattr(owner, name, None)
         if bound is None:
             return
