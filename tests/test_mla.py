@@ -244,6 +244,57 @@ def test_auto_backend_ragged(lengths, native):
     assert not out.is_contiguous()  # separate offsets tensors: padded
 
 
+# (lengths, kv_lengths or None for one offsets tensor, heads, (Dqk, Dv), causal); the large ones on
+# CUDA only (the CPU kernels are the float64 reference: too slow at the auto table's sizes).
+_AUTO_AGREE_SMALL = [
+    ([5, 30, 2], None, 2, (192, 128), True),
+    ([4, 4], None, 2, (192, 128), True),
+    ([4, 4], None, 2, (192, 128), False),
+    ([1, 1, 0], None, 2, (192, 128), True),
+    ([5, 9], [9, 5], 2, (24, 16), True),
+    ([7, 3], None, 2, (24, 16), True),
+]
+_AUTO_AGREE_LARGE = [
+    ([1024] * 16, None, 16, (192, 128), True),
+    ([1024] * 16, None, 16, (192, 128), False),
+    ([512] * 4, None, 16, (192, 128), True),
+    ([1024] * 31 + [800], None, 16, (192, 128), True),
+    ([2048] * 4 + [200] * 4, None, 16, (192, 128), True),
+    ([100, 3000, 7], None, 16, (192, 128), True),
+    ([1024] * 16, None, 16, (128, 128), True),
+]
+
+
+@pytest.mark.parametrize(
+    "device, case",
+    [("cpu", c) for c in _AUTO_AGREE_SMALL]
+    + [pytest.param("cuda", c, marks=pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA"))
+       for c in _AUTO_AGREE_SMALL + _AUTO_AGREE_LARGE],
+)
+def test_auto_rule_python_copy_agrees_with_the_op(device, case):
+    """backend="auto" is decided twice: by the op (resolve_mla_backend in csrc/ops/mla_ops.cpp) and
+    by its one Python copy (verl_ops._mla._mla_backend / _auto_flags), which the fake kernels use
+    to give the output the layout the op will give it. The two agree: the real op's output and
+    gradient layouts equal the fake kernels' for the same inputs on this device."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    lengths, kv_lengths, heads, (dqk, dv), causal = case
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    c = make_case(lengths, hq=heads, hk=heads, dqk=dqk, dv=dv, dtype=dtype, device=device, seed=3,
+                  kv_lengths=kv_lengths)
+    cu_kv = c["cu_q"] if kv_lengths is None else c["cu_kv"]
+    args = (c["cu_q"], cu_kv, c["max_q"], c["max_kv"], causal, None, 0)
+    out, lse = OPS.mla_forward_padded(c["q"], c["k"], c["v"], *args)
+    grads = OPS.mla_backward_padded(torch.ones_like(out), c["q"], c["k"], c["v"], out, lse, *args)
+    with FakeTensorMode() as mode:
+        fq, fk, fv, fcu_q, fcu_kv = (mode.from_tensor(t) for t in (c["q"], c["k"], c["v"], c["cu_q"], cu_kv))
+        fargs = (fcu_q, fcu_kv) + args[2:]
+        fout, flse = OPS.mla_forward_padded(fq, fk, fv, *fargs)
+        fgrads = OPS.mla_backward_padded(torch.ones_like(fout), fq, fk, fv, fout, flse, *fargs)
+    assert (fout.shape, fout.stride()) == (out.shape, out.stride())
+    assert [(g.shape, g.stride()) for g in fgrads] == [(g.shape, g.stride()) for g in grads]
+
+
 def test_native_backend_needs_uniform_batch():
     c = make_case([4, 3], seed=1)
     with pytest.raises(RuntimeError, match="mla_forward_padded: backend='native' needs a uniform batch"):
@@ -527,12 +578,12 @@ def test_cuda_auto_uniform_where_measured():
     where that runs verl_ops' own SM90 kernels (Hopper builds with the varlen backend: measured
     faster than native on uniform batches), else native; contiguous output either way, and the
     reference's result, forward and backward."""
-    from verl_ops import _fake
+    from verl_ops import _mla
 
     c = make_case([1024] * 16, hq=16, hk=16, dqk=192, dv=128, dtype=torch.bfloat16, device="cuda", seed=11)
     out, (q, k, v) = run(c, backend="auto", grad=True)
     assert out.is_contiguous()
-    chosen = "varlen" if _fake._varlen_auto(out.device) and _fake._VARLEN_OWN else "native"
+    chosen = "varlen" if _mla._auto_flags(out.device)[1] else "native"
     assert torch.equal(out, run(c, backend=chosen)[0]), chosen
     g = torch.randn(out.shape, generator=torch.Generator().manual_seed(6), dtype=torch.float64)
     want, grads = ref_grads(c, g)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from conftest import HAS_CUDA
 
 import verl_ops
-from verl_ops import _fake, mla_cache_info, mla_forward_padded
+from verl_ops import _mla, mla_cache_info, mla_forward_padded
 
 OPS = torch.ops.verl_ops
 VARLEN_BUILT = mla_cache_info()["available"]
@@ -192,15 +192,15 @@ def test_cache_capacity_set_and_restored():
 
 def test_auto_cudnn_floor_mirror(monkeypatch):
     """The fake kernels' auto rule takes varlen only with cuDNN >= 9.7.0, as prepare_mla does."""
-    monkeypatch.setattr(_fake, "_VARLEN_BUILT", True)
-    monkeypatch.setattr(_fake, "_VARLEN_DEVICES", {0: True})
+    monkeypatch.setattr(_mla, "_VARLEN_BUILT", True)
+    monkeypatch.setattr(_mla, "_VARLEN_DEVICES", {0: True})
     dev = torch.device("cuda", 0)
-    monkeypatch.setattr(_fake, "_VARLEN_CUDNN", 90700)
-    assert _fake._varlen_auto(dev)
-    monkeypatch.setattr(_fake, "_VARLEN_CUDNN", 90699)
-    assert not _fake._varlen_auto(dev)
-    monkeypatch.setattr(_fake, "_VARLEN_CUDNN", 0)
-    assert not _fake._varlen_auto(dev)
+    monkeypatch.setattr(_mla, "_VARLEN_CUDNN", 90700)
+    assert _mla._varlen_auto(dev)
+    monkeypatch.setattr(_mla, "_VARLEN_CUDNN", 90699)
+    assert not _mla._varlen_auto(dev)
+    monkeypatch.setattr(_mla, "_VARLEN_CUDNN", 0)
+    assert not _mla._varlen_auto(dev)
 
 
 @pytest.mark.parametrize(
@@ -223,15 +223,15 @@ def test_auto_cudnn_floor_mirror(monkeypatch):
     ],
 )
 def test_auto_rule_mirror(lengths, kv_lengths, heads, dims, varlen_auto, varlen_uniform, want):
-    """_fake._mla_backend mirrors resolve_mla_backend: auto sends batches that are not uniform to
+    """_mla._mla_backend mirrors resolve_mla_backend: auto sends batches that are not uniform to
     varlen where varlen_auto holds (Hopper, a build with the backend) and the head dims are in the
     table, and uniform 192 / 128 batches too where varlen runs the own SM90 kernels."""
     kv_lengths = lengths if kv_lengths is None else kv_lengths
     sizes = (sum(lengths), sum(kv_lengths), heads[0], heads[1], dims[0], dims[1], len(lengths))
-    got = _fake._mla_backend("op", 0, sizes, max(lengths), max(kv_lengths), True, kv_lengths is lengths,
+    got = _mla._mla_backend("op", 0, sizes, max(lengths), max(kv_lengths), True, kv_lengths is lengths,
                              varlen_auto, varlen_uniform)
     assert got == want
-    assert _fake._mla_backend("op", 3, sizes, max(lengths), max(kv_lengths), True, False, False) == "varlen"
+    assert _mla._mla_backend("op", 3, sizes, max(lengths), max(kv_lengths), True, False, False) == "varlen"
 
 
 def test_cpu_auto_never_varlen():
@@ -655,7 +655,6 @@ def test_cuda_auto_and_megatron_route_ragged_batches_to_varlen(monkeypatch):
     own SM90 kernels, checked at the end)."""
     from types import SimpleNamespace
 
-    from verl_ops import _mla
     from verl_ops.integrations.megatron_mla import mla_thd_core_attention
 
     has_fa4 = _mla._fa4_importable()
@@ -732,7 +731,6 @@ def test_cuda_fa4_gets_offsets_clamped_into_the_rows(monkeypatch):
     """FlashAttention-4 reads the offsets unchecked: backend="fa4" hands it offsets clamped into
     the rows and non-decreasing (valid ones unchanged). FlashAttention-4 itself is replaced by a
     recorder, so this runs whether it is installed or not."""
-    from verl_ops import _mla
 
     seen = []
 
@@ -796,7 +794,6 @@ def test_cuda_auto_takes_fa4_on_uniform_self_attention(monkeypatch, causal):
     stay on varlen where it runs the own SM90 kernels (they measured at or ahead of
     FlashAttention-4 there), else they take FlashAttention-4 too. With two offsets tensors auto
     never takes it."""
-    from verl_ops import _mla
 
     calls = []
     real = _mla._fa4_forward
@@ -834,7 +831,6 @@ def test_cuda_auto_fa4_rule_uniform_vs_ragged(monkeypatch):
     uniform bf16 192/128 self-attention batches of sequences longer than 1024 take it; ragged ones
     and uniform ones of shorter sequences stay on varlen wherever varlen runs the own SM90 kernels
     (the default build on Hopper), else they take it too."""
-    from verl_ops import _mla
 
     calls = []
 
@@ -878,7 +874,6 @@ def test_cuda_auto_fa4_rule_uniform_vs_ragged(monkeypatch):
 
 
 def test_auto_does_not_take_fa4_off_cuda(monkeypatch):
-    from verl_ops import _mla
 
     monkeypatch.setattr(_mla, "_FA4_IMPORTABLE", True)
     c = make_case([3, 5], hq=2, hk=2, dtype=torch.bfloat16)

@@ -7,7 +7,8 @@ autograd, and drop-ins for verl (:mod:`verl_ops.integrations.verl`).
 import torch  # noqa: F401  (loads libtorch before our extension)
 
 from . import _library  # noqa: F401  (loads _C, and _C_layers under torch >= 2.10)
-from . import _fake  # noqa: F401  (fake / Meta kernels)
+# Each op family's module registers its ops' fake (Meta) kernels and autograd on import:
+# layout (thd_layout, thd_layout_info), _thd, _jagged, _mla, dynamic_cp, router.
 from ._jagged import jagged_gather, jagged_scatter
 from ._mla import mla_cache_info, mla_forward_padded
 from ._mla_cp import mla_cp_attention

@@ -1,25 +1,62 @@
-"""Python API of the jagged row ops: jagged_gather (select / reorder whole sequences of a jagged
-batch) and jagged_scatter (its adjoint), with autograd. Used by dynamic context parallel to take
-a group's subset of a batch and to put gathered outputs back into sample order."""
+"""The jagged row ops jagged_gather (select / reorder whole sequences of a jagged batch) and
+jagged_scatter (its adjoint): their fake (Meta) kernels, autograd and Python API. Used by dynamic
+context parallel to take a group's subset of a batch and to put gathered outputs back into sample
+order."""
 
 from __future__ import annotations
 
 import torch
 
 from ._library import call_op
-from ._validate import INT32_MAX, as_int, check_plain, host_values_required, is_meta
+from ._validate import (
+    INT32_MAX, as_int, check, check_plain, check_size, host_values_required, is_meta, is_tracing,
+    should_validate
+)
 
 _ops = torch.ops.verl_ops
+
+
+# --------------------------------------------------------------------------------------------
+# Fake (Meta) kernels: the output is [rows, *F] with rows given (total_out / total_in).
+
+
+def _jagged_fake(op, data_name, values, src_starts, cu_out, rows, rows_name):
+    check(values.dim() >= 1, op, f"{data_name} must be [rows, *F], got a 0-d tensor")
+    check(src_starts.dtype == torch.int64, op, f"src_starts must be int64, got {src_starts.dtype}")
+    check(src_starts.dim() == 1, op, f"src_starts must be 1-D, got {src_starts.dim()} dims")
+    check(cu_out.dtype == torch.int32, op, f"cu_seqlens_out must be int32, got {cu_out.dtype}")
+    check(cu_out.dim() == 1, op, f"cu_seqlens_out must be 1-D, got {cu_out.dim()} dims")
+    torch._check(
+        cu_out.shape[0] == src_starts.shape[0] + 1,
+        lambda: f"{op}: cu_seqlens_out must have len(src_starts) + 1 entries",
+    )
+    check(src_starts.device == values.device, op, f"src_starts is on {src_starts.device} but {data_name} is on {values.device}")
+    check(cu_out.device == values.device, op, f"cu_seqlens_out is on {cu_out.device} but {data_name} is on {values.device}")
+    torch._check(rows >= 0, lambda: f"{op}: {rows_name} must be >= 0, got {rows}")
+    check_size(op, rows_name, (rows,) + tuple(values.shape[1:]), values.dtype)
+    return values.new_empty((rows,) + tuple(values.shape[1:]))
+
+
+@torch.library.register_fake("verl_ops::jagged_gather")
+def _jagged_gather_fake(values, src_starts, cu_seqlens_out, total_out):
+    return _jagged_fake("jagged_gather", "values", values, src_starts, cu_seqlens_out, total_out, "total_out")
+
+
+@torch.library.register_fake("verl_ops::jagged_scatter")
+def _jagged_scatter_fake(grad, src_starts, cu_seqlens_out, total_in):
+    return _jagged_fake("jagged_scatter", "grad", grad, src_starts, cu_seqlens_out, total_in, "total_in")
 
 
 # --------------------------------------------------------------------------------------------
 # Autograd: the two ops are each other's adjoint, so each backward is one call of the other.
 
 
-def _gather_setup_context(ctx, inputs, output):
-    values, src_starts, cu_out, total_out = inputs
+def _setup_context(ctx, inputs, output):
+    # Both ops: (data, src_starts, cu_seqlens_out, rows of the other side); the backward needs the
+    # index tensors and the data's row count (the other op's row argument).
+    data, src_starts, cu_out, _ = inputs
     ctx.save_for_backward(src_starts, cu_out)
-    ctx.total_in = values.shape[0]
+    ctx.data_rows = data.shape[0]
 
 
 def _gather_backward(ctx, grad):
@@ -31,26 +68,20 @@ def _gather_backward(ctx, grad):
     lengths = (cu_out[1:] - cu_out[:-1]).to(torch.int64)
     first = torch.repeat_interleave(src_starts - cu_out[:-1].to(torch.int64), lengths, output_size=total_out)
     rows = first + torch.arange(total_out, device=grad.device)
-    out = grad.new_zeros((ctx.total_in, *grad.shape[1:]))
+    out = grad.new_zeros((ctx.data_rows, *grad.shape[1:]))
     return out.index_add_(0, rows, grad), None, None, None
-
-
-def _scatter_setup_context(ctx, inputs, output):
-    grad, src_starts, cu_out, total_in = inputs
-    ctx.save_for_backward(src_starts, cu_out)
-    ctx.total_out = grad.shape[0]
 
 
 def _scatter_backward(ctx, grad_out):
     src_starts, cu_out = ctx.saved_tensors
-    return _ops.jagged_gather(grad_out.contiguous(), src_starts, cu_out, ctx.total_out), None, None, None
+    return _ops.jagged_gather(grad_out.contiguous(), src_starts, cu_out, ctx.data_rows), None, None, None
 
 
 torch.library.register_autograd(
-    "verl_ops::jagged_gather", _gather_backward, setup_context=_gather_setup_context
+    "verl_ops::jagged_gather", _gather_backward, setup_context=_setup_context
 )
 torch.library.register_autograd(
-    "verl_ops::jagged_scatter", _scatter_backward, setup_context=_scatter_setup_context
+    "verl_ops::jagged_scatter", _scatter_backward, setup_context=_setup_context
 )
 
 
@@ -58,12 +89,6 @@ torch.library.register_autograd(
 # Wrappers. The C++ ops check index values themselves for CPU tensors; for device tensors that
 # would be a host synchronisation, so the wrappers check them here, eagerly, unless validate=False
 # (and never while tracing or capturing a CUDA graph).
-
-
-def _tracing(t: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return True
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
 def _check_index_tensors(op: str, src_starts, cu_seqlens_out) -> None:
@@ -156,11 +181,10 @@ def jagged_gather(
         if cu_seqlens_out.shape[0] == 0:
             raise ValueError(f"{op}: cu_seqlens_out must have at least one entry (it starts at 0)")
         total_out = int(cu_seqlens_out[-1])
-    elif not _tracing(values):
+    elif not is_tracing(values):
         total_out = as_int(op, "total_out", total_out, lo=0, hi=INT32_MAX)
-    if values.dim() >= 1 and values.device.type not in ("cpu", "meta") and not _tracing(values):
-        if validate is None or validate:
-            _check_values_on_host(op, src_starts, cu_seqlens_out, total_out, values.shape[0], False)
+    if values.dim() >= 1 and values.device.type != "cpu" and should_validate(validate, values):
+        _check_values_on_host(op, src_starts, cu_seqlens_out, total_out, values.shape[0], False)
     return call_op(_ops.jagged_gather, values, values, src_starts, cu_seqlens_out, total_out)
 
 
@@ -181,11 +205,10 @@ def jagged_scatter(
     op = "jagged_scatter"
     check_plain(op, "grad", grad)
     _check_index_tensors(op, src_starts, cu_seqlens_out)
-    if not _tracing(grad):
+    if not is_tracing(grad):
         total_in = as_int(op, "total_in", total_in, lo=0, hi=INT32_MAX)
-    if grad.dim() >= 1 and grad.device.type not in ("cpu", "meta") and not _tracing(grad):
-        if validate is None or validate:
-            _check_values_on_host(op, src_starts, cu_seqlens_out, grad.shape[0], total_in, True)
+    if grad.dim() >= 1 and grad.device.type != "cpu" and should_validate(validate, grad):
+        _check_values_on_host(op, src_starts, cu_seqlens_out, grad.shape[0], total_in, True)
     return call_op(_ops.jagged_scatter, grad, grad, src_starts, cu_seqlens_out, total_in)
 
 

@@ -1,15 +1,19 @@
-"""Python API of mla_forward_padded: variable-length (THD) attention for Multi-Latent Attention
-head dims (value head dim Dv <= query/key head dim Dqk), with autograd (docs/mla.md#semantics)."""
+"""The MLA attention ops mla_forward_padded, mla_backward_padded and mla_cache_info:
+variable-length (THD) attention for Multi-Latent Attention head dims (value head dim Dv <=
+query/key head dim Dqk; docs/mla.md#semantics). Their fake (Meta) kernels, the Python copy of the
+``backend="auto"`` rule (the one the fake kernels and the Python API use; the op's own is
+resolve_mla_backend in csrc/ops/mla_ops.cpp, and tests/test_mla.py checks that the two agree),
+the autograd of mla_forward_padded and the Python API."""
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 
 import torch
 
-from . import _fake
-from ._validate import INT32_MAX, as_bool, as_int, check_plain, is_meta
+from ._validate import INT32_MAX, as_bool, as_int, check, check_plain, is_meta, should_validate
 
 _ops = torch.ops.verl_ops
 
@@ -20,6 +24,195 @@ EXTRA_BACKENDS = ("fa4",)
 
 _CACHE_FIELDS = ("available", "size", "hits", "misses", "builds", "failures", "evictions", "capacity",
                  "failed_buckets", "cudnn_version", "hopper_forward", "hopper_backward")
+
+
+# --------------------------------------------------------------------------------------------
+# backend="auto" (the Python copy of resolve_mla_backend) and the fake (Meta) kernels.
+
+# Mirrors csrc/ops/mla_ops.cpp: the shapes where backend=auto picks the native path (Dqk, Dv,
+# min max_seqlen, min query rows x heads).
+_AUTO_NATIVE = ((192, 128, 1024, 16 * 1024 * 16),)
+# Mirrors kAutoVarlen in csrc/ops/mla_ops.cpp: the head dims where backend=auto sends batches that
+# are not uniform to the varlen backend (Dqk, Dv, min query rows x heads), where _varlen_auto holds.
+_AUTO_VARLEN = ((192, 128, 0), (64, 64, 0), (128, 128, 0), (192, 192, 0), (256, 256, 0))
+# Whether this build has the varlen backend, read once at import (_C is loaded by then): the fake
+# kernels run under fake / functional modes, where calling an op would not return real values.
+# With it, the loaded cuDNN's version: auto uses varlen from kVarlenAutoMinCudnn (9.7.0) on.
+def _probe_varlen() -> tuple:
+    try:
+        info = torch.ops.verl_ops.mla_cache_info(torch.empty(0, device="cpu")).tolist()
+    except (AttributeError, RuntimeError):  # a module built before the op existed
+        return False, 0, False
+    own = len(info) > 11 and bool(info[10]) and bool(info[11])
+    return bool(info[0]), (info[9] if len(info) > 9 else 0), own
+
+
+# _VARLEN_OWN: varlen runs the own SM90 forward and backward (mla_cache_info's hopper_forward and
+# hopper_backward), where auto also sends uniform 192 / 128 batches to it.
+_VARLEN_BUILT, _VARLEN_CUDNN, _VARLEN_OWN = _probe_varlen()
+_VARLEN_AUTO_MIN_CUDNN = 90700
+_VARLEN_DEVICES = {}
+
+
+def _varlen_auto(device: torch.device) -> bool:
+    """Mirrors prepare_mla's varlen_auto: the build has the varlen backend, the loaded cuDNN is
+    9.7.0 or newer, and `device` is a CUDA device of compute capability 9.x."""
+    if device.type != "cuda" or not _VARLEN_BUILT or _VARLEN_CUDNN < _VARLEN_AUTO_MIN_CUDNN:
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _VARLEN_DEVICES:
+        _VARLEN_DEVICES[index] = torch.cuda.get_device_capability(index)[0] == 9
+    return _VARLEN_DEVICES[index]
+
+
+def _auto_flags(device: torch.device) -> tuple:
+    """(varlen_auto, varlen_uniform) for resolve_mla_backend, as prepare_mla computes them."""
+    varlen_auto = _varlen_auto(device)
+    return varlen_auto, varlen_auto and _VARLEN_OWN
+
+
+def _shares_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """One offsets tensor for q and kv: the same tensor, or views of one storage at one offset
+    with one shape (mirrors shares_offsets in csrc/ops/mla_ops.cpp)."""
+    if a is b:
+        return True
+    return (
+        torch._C._is_alias_of(a, b)
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check(t.dim() == 3, op, f"{name} must be 3-D [T, H, D], got {t.dim()} dims")
+        check(t.dtype.is_floating_point, op, f"{name} must be floating point, got {t.dtype}")
+    check(k.dtype == q.dtype and v.dtype == q.dtype, op,
+           f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
+    check(k.device == q.device and v.device == q.device, op,
+           f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
+    # The dtypes the op's kernels take on the device (prepare_mla in csrc/ops/mla_ops.cpp): traced
+    # code fails here, as the op would at run time.
+    if q.device.type == "cuda":
+        check(q.dtype in (torch.float16, torch.bfloat16), op,
+               f"q must be float16 or bfloat16 on CUDA, got {q.dtype}")
+    elif q.device.type == "cpu":
+        check(q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64), op,
+               f"q must be float16, bfloat16, float32 or float64 on the CPU, got {q.dtype}")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+        check(cu.dtype == torch.int32, op, f"{name} must be int32, got {cu.dtype}")
+        check(cu.dim() == 1, op, f"{name} must be 1-D [B + 1], got {cu.dim()} dims")
+        check(cu.device == q.device, op, f"{name} is on {cu.device} but q is on another device: {q.device}")
+    tq, hq, dqk = q.shape
+    tk, hk = k.shape[0], k.shape[1]
+    dv = v.shape[2]
+    torch._check(cu_q.shape[0] >= 1, lambda: f"{op}: cu_seqlens_q must have B + 1 >= 1 entries")
+    torch._check(cu_kv.shape[0] == cu_q.shape[0], lambda: f"{op}: cu_seqlens_kv must have as many entries as cu_seqlens_q")
+    torch._check(k.shape[2] == dqk, lambda: f"{op}: k must have q's head dim {dqk}, got {k.shape[2]}")
+    torch._check(dv <= dqk, lambda: f"{op}: v's head dim (Dv={dv}) must be <= the q/k head dim (Dqk={dqk})")
+    torch._check(dv >= 1, lambda: f"{op}: v's head dim must be >= 1")
+    torch._check(v.shape[0] == tk, lambda: f"{op}: k and v must have the same number of rows")
+    torch._check(v.shape[1] == hk, lambda: f"{op}: k and v must have the same number of heads")
+    torch._check(hk >= 1, lambda: f"{op}: k must have at least one head")
+    torch._check(hq % hk == 0, lambda: f"{op}: the number of q heads must be a multiple of the number of k/v heads")
+    for name, val in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
+        msg = lambda name=name, val=val: f"{op}: {name} must be in [0, {INT32_MAX}], got {val}"  # noqa: E731
+        torch._check(val >= 0, msg)
+        torch._check(val <= INT32_MAX, msg)
+    if softmax_scale is not None:
+        check(math.isfinite(softmax_scale), op, f"softmax_scale must be finite, got {softmax_scale}")
+    return tq, tk, hq, hk, dqk, dv, cu_q.shape[0] - 1
+
+
+def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets, varlen_auto,
+                 varlen_uniform=False) -> str:
+    """Mirrors resolve_mla_backend in csrc/ops/mla_ops.cpp (shapes, and varlen_auto /
+    varlen_uniform for auto)."""
+    check(backend in (0, 1, 2, 3), op, f"backend must be 0 (auto), 1 (padded), 2 (native) or 3 (varlen), got {backend}")
+    name = BACKENDS[backend]
+    if name in ("padded", "varlen"):
+        return name
+    tq, tk, hq, hk, dqk, dv, batch = sizes
+    uniform = batch * max_q == tq and batch * max_kv == tk
+    same_heads = hq == hk
+    same_len = max_q == max_kv
+    mask_ok = not causal or same_len
+    ragged_ok = causal and same_offsets and same_len and tq == tk
+    if max_q <= 1 and max_kv <= 1:
+        return "padded"
+    if name == "auto" and varlen_auto and not uniform:
+        for r_dqk, r_dv, min_rows_heads in _AUTO_VARLEN:
+            if dqk == r_dqk and dv == r_dv and tq * hq >= min_rows_heads:
+                return "varlen"
+    if name == "auto" and varlen_auto and varlen_uniform and uniform and dqk == 192 and dv == 128:
+        return "varlen"
+    if name == "native":
+        check(uniform or ragged_ok, op, "backend='native' needs a uniform batch or causal self-attention")
+        check(same_heads, op, "backend='native' needs as many k/v heads as q heads")
+        check(mask_ok, op, "backend='native' with causal=True needs max_seqlen_q == max_seqlen_kv")
+        return "native"
+    dense_enough = uniform or tq * 4 >= batch * max_q * 3
+    if same_heads and (mask_ok if uniform else ragged_ok) and dense_enough:
+        for r_dqk, r_dv, min_len, min_rows_heads in _AUTO_NATIVE:
+            if dqk == r_dqk and dv == r_dv and max_q >= min_len and tq * hq >= min_rows_heads:
+                return "native"
+    return "padded"
+
+
+def _mla_rows(like, backend, rows, heads, cols, full_cols):
+    if backend == "padded" and cols < full_cols:
+        return like.new_empty((rows, heads, full_cols)).narrow(2, 0, cols)
+    return like.new_empty((rows, heads, cols))
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+@torch.library.register_fake("verl_ops::mla_forward_padded")
+def _mla_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal=True,
+                      softmax_scale=None, backend=0):
+    op = "mla_forward_padded"
+    s = _mla_sizes(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale)
+    b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), *_auto_flags(q.device))
+    tq, tk, hq, hk, dqk, dv, _ = s
+    return _mla_rows(q, b, tq, hq, dv, dqk), q.new_empty((hq, tq), dtype=_lse_dtype(q))
+
+
+@torch.library.register_fake("verl_ops::mla_backward_padded")
+def _mla_backward_fake(grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                       causal=True, softmax_scale=None, backend=0):
+    op = "mla_backward_padded"
+    s = _mla_sizes(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale)
+    tq, tk, hq, hk, dqk, dv, _ = s
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        check(t.dim() == 3 and t.dtype == q.dtype and t.device == q.device, op,
+               f"{name} must be a 3-D [Tq, Hq, Dv] tensor of q's dtype and device")
+        torch._check(t.shape[0] == tq and t.shape[1] == hq and t.shape[2] == dv,
+                     lambda name=name: f"{op}: {name} must be [Tq, Hq, Dv] = [{tq}, {hq}, {dv}]")
+    lse_dtype = _lse_dtype(q)
+    check(softmax_lse.dim() == 2 and softmax_lse.dtype == lse_dtype and softmax_lse.device == q.device, op,
+           f"softmax_lse must be a 2-D [Hq, Tq] tensor of dtype {lse_dtype} on q's device")
+    torch._check(softmax_lse.shape[0] == hq and softmax_lse.shape[1] == tq,
+                 lambda: f"{op}: softmax_lse must be [Hq, Tq] = [{hq}, {tq}]")
+    b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), *_auto_flags(q.device))
+    return q.new_empty((tq, hq, dqk)), k.new_empty((tk, hk, dqk)), _mla_rows(v, b, tk, hk, dv, dqk)
+
+
+@torch.library.register_fake("verl_ops::mla_cache_info")
+def _mla_cache_info_fake(like, capacity=-1):
+    # Host counters: only a CPU `like` names a device they can be returned on.
+    check(like.device.type == "cpu", "mla_cache_info", f"like must be a CPU tensor, got one on {like.device}")
+    check(capacity >= -1, "mla_cache_info", f"capacity must be -1 (unchanged), 0 (no limit) or a number of plans, got {capacity}")
+    return like.new_empty((12,), dtype=torch.int64)  # kMlaCacheInfoFields
+
+
+# --------------------------------------------------------------------------------------------
+# Autograd of mla_forward_padded (its backward is the op mla_backward_padded).
 
 
 def _setup_context(ctx, inputs, output):
@@ -42,18 +235,6 @@ def _backward(ctx, grad_out, grad_lse):
 
 
 torch.library.register_autograd("verl_ops::mla_forward_padded", _backward, setup_context=_setup_context)
-
-
-def _should_validate(validate, cu: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    if is_meta(cu):  # shape inference: no values to read
-        return False
-    if cu.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    if validate is None:
-        return not cu.is_cuda
-    return bool(validate)
 
 
 def _host_int(v):
@@ -148,7 +329,7 @@ def mla_forward_padded(
             isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
         ):
             raise ValueError(f"{op}: softmax_scale must be a float or None, got {softmax_scale!r}")
-    if _should_validate(validate, cu_seqlens_q):
+    if should_validate(validate, cu_seqlens_q, default=not cu_seqlens_q.is_cuda):
         if cu_seqlens_q.dtype != torch.int32 or cu_seqlens_kv.dtype != torch.int32:
             raise ValueError(
                 f"{op}: cu_seqlens_q / cu_seqlens_kv must be int32, got {cu_seqlens_q.dtype} / {cu_seqlens_kv.dtype}"
@@ -242,19 +423,10 @@ def _fa4_importable() -> bool:
 
 
 def _own_kernels_take_ragged(device: torch.device) -> bool:
-    """Whether auto sends ragged batches on `device` to the varlen backend (the same test as the
-    op's: _fake._varlen_auto) and that backend runs verl_ops' own SM90 forward and backward there
-    (neither VERL_OPS_VARLEN_FORWARD nor VERL_OPS_VARLEN_BACKWARD switched a kernel off; read once)."""
-    global _OWN_HOPPER
-    if not _fake._varlen_auto(device):
-        return False
-    if _OWN_HOPPER is None:
-        info = mla_cache_info()
-        _OWN_HOPPER = info["hopper_forward"] and info["hopper_backward"]
-    return _OWN_HOPPER
-
-
-_OWN_HOPPER = None
+    """Whether auto sends ragged batches on `device` to the varlen backend and that backend runs
+    verl_ops' own SM90 forward and backward there (neither VERL_OPS_VARLEN_FORWARD nor
+    VERL_OPS_VARLEN_BACKWARD switched a kernel off): the op's varlen_uniform flag."""
+    return _auto_flags(device)[1]
 
 
 # Uniform batches of sequences up to this long stay on the own SM90 kernels under auto: they

@@ -1,5 +1,5 @@
-"""Python API of the THD ops: preprocess_thd (pack) and postprocess_thd (unpack), plus their
-autograd and fake-tensor registrations."""
+"""The THD ops preprocess_thd (pack) and postprocess_thd (unpack): their fake (Meta) kernels,
+autograd and Python API (the layout ops thd_layout / thd_layout_info: verl_ops/layout.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +8,72 @@ import zlib
 import torch
 
 from ._library import _BelowAutograd, call_op
-from ._validate import check_jagged, check_plain, device_of, is_jagged_nested, is_meta
+from ._validate import (
+    check, check_attention_mask, check_cp, check_cp_layout, check_cp_rows, check_jagged, check_mask_lengths,
+    check_offset_pair, check_plain, check_rank, check_size, device_of, is_jagged_nested, is_meta,
+    should_validate
+)
 from .layout import ThdLayout, _to_device
 
 _ops = torch.ops.verl_ops
+
+
+# --------------------------------------------------------------------------------------------
+# Fake (Meta) kernels: output shapes from the inputs' shapes alone (symbolic under torch.compile),
+# rejecting what the CPU/CUDA kernels reject without reading data, in their words.
+
+
+def _thd_common(op, data, cu, cu_padded, cp_size, cp_rank, cp_layout):
+    check_cp_layout(op, cp_layout)
+    check_cp(op, cp_size, cp_rank, allow_all=True)
+    check_offset_pair(op, cu, cu_padded, data)
+
+
+@torch.library.register_fake("verl_ops::preprocess_thd")
+def _preprocess_thd_fake(values, cu_seqlens, cu_seqlens_padded, local_rows, cp_size=1, cp_rank=0, cp_layout=0,
+                         roll=False, attention_mask=None):
+    op = "preprocess_thd"
+    _thd_common(op, values, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, cp_layout)
+    torch._check(local_rows >= 0, lambda: f"{op}: local_rows must be >= 0, got {local_rows}")
+    skip = 2 if attention_mask is not None else 1
+    check(values.dim() >= skip, op, f"values has too few dimensions: {tuple(values.shape)}")
+    if cp_rank < 0:
+        check_cp_rows(op, cp_size, local_rows)
+    if attention_mask is not None:
+        check_attention_mask(op, attention_mask, values, cu_seqlens)
+        torch._check(
+            values.shape[0] == attention_mask.shape[0] and values.shape[1] == attention_mask.shape[1],
+            lambda: f"{op}: padded input must be [B, S, *F] matching attention_mask "
+            f"{list(attention_mask.shape)}, got {list(values.shape)}",
+        )
+    lead = (cp_size, local_rows) if cp_rank < 0 else (local_rows,)
+    check_size(op, "local_rows", lead + tuple(values.shape[skip:]), values.dtype)
+    check_size(op, "local_rows", lead, torch.int64)  # positions
+    packed = values.new_empty(lead + tuple(values.shape[skip:]))
+    positions = values.new_empty(lead, dtype=torch.int64)
+    return packed, positions
+
+
+@torch.library.register_fake("verl_ops::postprocess_thd")
+def _postprocess_thd_fake(packed, cu_seqlens, cu_seqlens_padded, total_tokens, cp_size=1, cp_rank=-1, cp_layout=0,
+                          roll=False, attention_mask=None):
+    op = "postprocess_thd"
+    _thd_common(op, packed, cu_seqlens, cu_seqlens_padded, cp_size, cp_rank, cp_layout)
+    skip = 2 if cp_rank < 0 else 1
+    check(packed.dim() >= skip, op, f"packed has too few dimensions: {tuple(packed.shape)}")
+    if cp_rank < 0:
+        torch._check(packed.shape[0] == cp_size,
+                     lambda: f"{op}: packed holds {packed.shape[0]} shards but cp_size is {cp_size}")
+    if attention_mask is not None:
+        check_attention_mask(op, attention_mask, packed, cu_seqlens)
+        lead = tuple(attention_mask.shape)
+        sized_by = "attention_mask"
+    else:
+        torch._check(total_tokens >= 0, lambda: f"{op}: total_tokens must be >= 0, got {total_tokens}")
+        lead = (total_tokens,)
+        sized_by = "total_tokens"
+    check_size(op, sized_by, lead + tuple(packed.shape[skip:]), packed.dtype)
+    return packed.new_empty(lead + tuple(packed.shape[skip:]))
 
 
 # --------------------------------------------------------------------------------------------
@@ -120,51 +182,8 @@ _autograd_lib.impl("postprocess_thd", _unpack_autograd, "Autograd", with_keyset=
 
 
 # --------------------------------------------------------------------------------------------
-# Validation that needs the data's values (a host read when the data is on a GPU). Shapes are
-# always checked; values are checked eagerly unless validate=False, and never while tracing or on
-# meta tensors (shape inference: there are no values to read).
-
-
-def _should_validate(validate, t: torch.Tensor) -> bool:
-    if torch.compiler.is_compiling():
-        return False
-    if is_meta(t):
-        return False
-    if t.is_cuda and torch.cuda.is_current_stream_capturing():
-        return False
-    return True if validate is None else bool(validate)
-
-
-def _check_cp_rank(op: str, layout: ThdLayout, cp_rank) -> None:
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int) or not 0 <= cp_rank < layout.cp_size:
-        raise ValueError(f"{op}: cp_rank must be an int in [0, cp_size={layout.cp_size}), got {cp_rank!r}")
-
-
-def _check_mask(op: str, mask, layout: ThdLayout) -> None:
-    """attention_mask's type, dtype and shape (no data read)."""
-    if not isinstance(mask, torch.Tensor):
-        raise TypeError(f"{op}: attention_mask must be a bool tensor [B, S], got {type(mask).__name__}")
-    if mask.is_nested:
-        raise ValueError(f"{op}: attention_mask must be a bool tensor [B, S], got a nested tensor")
-    if mask.dtype != torch.bool:
-        raise ValueError(f"{op}: attention_mask must be bool, got {mask.dtype}")
-    if mask.dim() != 2 or mask.shape[0] != layout.batch_size:
-        raise ValueError(
-            f"{op}: attention_mask must be [B={layout.batch_size}, S], got shape {tuple(mask.shape)}"
-        )
-
-
-def _check_mask_lengths(op: str, mask: torch.Tensor, layout: ThdLayout, validate) -> None:
-    _check_mask(op, mask, layout)
-    if _should_validate(validate, mask):
-        counts = mask.sum(dim=1).cpu()
-        expected = torch.tensor(layout.lengths, dtype=counts.dtype)
-        if not torch.equal(counts, expected):
-            bad = int((counts != expected).nonzero()[0])
-            raise ValueError(
-                f"{op}: attention_mask row {bad} has {int(counts[bad])} valid tokens but the layout "
-                f"says {layout.lengths[bad]}"
-            )
+# Wrappers. Shapes are always checked; values (a host read when the data is on a GPU) eagerly
+# unless validate=False, and never while tracing or on meta tensors (verl_ops._validate).
 
 
 def _nested_values(op: str, name: str, x: torch.Tensor, layout: ThdLayout, validate) -> torch.Tensor:
@@ -181,7 +200,7 @@ def _nested_values(op: str, name: str, x: torch.Tensor, layout: ThdLayout, valid
         raise ValueError(f"{op}: {name} has {offsets.shape[0] - 1} sequences but the layout has {layout.batch_size}")
     if (
         offsets is not layout.source_offsets
-        and _should_validate(validate, values)
+        and should_validate(validate, values)
         and not is_meta(offsets)
         and not torch.equal(offsets.to(device="cpu", dtype=torch.int64), layout.cu_seqlens_cpu.to(torch.int64))
     ):
@@ -244,13 +263,13 @@ def preprocess_thd(
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: x must be a tensor (jagged nested, values or padded), got {type(x).__name__}")
     cu, cu_padded = _offsets_on(op, layout, x)
-    _check_cp_rank(op, layout, cp_rank)
+    check_rank(op, "cp_rank", cp_rank, layout.cp_size, "cp_size")
     if is_jagged_nested(x) or x.is_nested:
         if attention_mask is not None:
             raise ValueError(f"{op}: attention_mask is for padded input, not for a nested tensor")
         values = _nested_values(op, "x", x, layout, validate)
     elif attention_mask is not None:
-        _check_mask_lengths(op, attention_mask, layout, validate)
+        check_mask_lengths(op, attention_mask, layout, validate)
         if x.dim() < 2 or tuple(x.shape[:2]) != tuple(attention_mask.shape):
             raise ValueError(
                 f"{op}: padded x must be [B, S, *F] matching attention_mask {tuple(attention_mask.shape)}, "
@@ -309,7 +328,7 @@ def postprocess_thd(
     op = "postprocess_thd"
     check_plain(op, "packed", packed)
     cu, cu_padded = _offsets_on(op, layout, packed)
-    _check_cp_rank(op, layout, cp_rank)
+    check_rank(op, "cp_rank", cp_rank, layout.cp_size, "cp_size")
     if group is not None and layout.cp_size > 1:
         out = _postprocess_over_group(op, packed, layout, cu, cu_padded, cp_rank, group, attention_mask, validate)
     else:
@@ -322,7 +341,7 @@ def postprocess_thd(
         elif packed.dim() < 1 or packed.shape[0] != layout.local_rows:
             raise ValueError(f"{op}: packed must be [local_rows={layout.local_rows}, *F], got {tuple(packed.shape)}")
         if attention_mask is not None:
-            _check_mask_lengths(op, attention_mask, layout, validate)
+            check_mask_lengths(op, attention_mask, layout, validate)
         out = call_op(
             _ops.postprocess_thd,
             packed,
@@ -425,10 +444,10 @@ def _postprocess_over_group(op, packed, layout, cu, cu_padded, cp_rank, group, a
                 f"got {tuple(packed.shape)}"
             )
         if attention_mask is not None:
-            _check_mask_lengths(op, attention_mask, layout, validate)
+            check_mask_lengths(op, attention_mask, layout, validate)
     except ValueError as e:
         error = e
-    if _should_validate(validate, packed):
+    if should_validate(validate, packed):
         check_layout_across_ranks(layout, group, packed.device, local_error=error)
     elif error is not None:
         raise error

@@ -208,3 +208,155 @@ def check_plain(op: str, name: str, t, *, optional: bool = False) -> None:
         raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
     if t.is_nested:
         raise ValueError(f"{op}: {name} must be a plain (strided) tensor, got a nested tensor")
+
+
+# --------------------------------------------------------------------------------------------
+# When to check values. Checks that read data to the host run eagerly; never while tracing
+# (torch.compile), while capturing a CUDA graph, or on meta tensors (no values to read).
+
+
+def is_tracing(t: torch.Tensor) -> bool:
+    """True under torch.compile, or while the current CUDA stream captures a graph (``t`` on CUDA)."""
+    if torch.compiler.is_compiling():
+        return True
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def should_validate(validate, t: torch.Tensor, default: bool = True) -> bool:
+    """Whether to run the value checks on ``t``: ``validate`` (``default`` when None), and never
+    while tracing / capturing or on a meta tensor."""
+    if is_meta(t) or is_tracing(t):
+        return False
+    return default if validate is None else bool(validate)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks of a wrapper's arguments against its ThdLayout (ValueError / TypeError).
+
+
+def check_rank(op: str, name: str, rank, size: int, size_name: str | None = None) -> None:
+    """``rank`` is an int in ``[0, size)`` (bools rejected); ``size_name`` names the bound in the
+    message (``[0, cp_size=2)``)."""
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < size:
+        bound = f"{size_name}={size}" if size_name else f"{size}"
+        raise ValueError(f"{op}: {name} must be an int in [0, {bound}), got {rank!r}")
+
+
+def check_layout_mask(op: str, mask, layout) -> None:
+    """attention_mask's type, dtype and shape against ``layout`` (no data read)."""
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"{op}: attention_mask must be a bool tensor [B, S], got {type(mask).__name__}")
+    if mask.is_nested:
+        raise ValueError(f"{op}: attention_mask must be a bool tensor [B, S], got a nested tensor")
+    if mask.dtype != torch.bool:
+        raise ValueError(f"{op}: attention_mask must be bool, got {mask.dtype}")
+    if mask.dim() != 2 or mask.shape[0] != layout.batch_size:
+        raise ValueError(
+            f"{op}: attention_mask must be [B={layout.batch_size}, S], got shape {tuple(mask.shape)}"
+        )
+
+
+def check_mask_lengths(op: str, mask: torch.Tensor, layout, validate) -> None:
+    """:func:`check_layout_mask`, then (when validating) every row's valid-token count against
+    the layout's lengths (one host read)."""
+    check_layout_mask(op, mask, layout)
+    if should_validate(validate, mask):
+        counts = mask.sum(dim=1).cpu()
+        expected = torch.tensor(layout.lengths, dtype=counts.dtype)
+        if not torch.equal(counts, expected):
+            bad = int((counts != expected).nonzero()[0])
+            raise ValueError(
+                f"{op}: attention_mask row {bad} has {int(counts[bad])} valid tokens but the layout "
+                f"says {layout.lengths[bad]}"
+            )
+
+
+# --------------------------------------------------------------------------------------------
+# Checks of the raw ops' arguments, shared by the fake (Meta) kernels of every op family. They
+# reject what the CPU/CUDA kernels reject without reading data, with the kernels' RuntimeError and
+# words ("<op>: <argument> ..."); a symbolic size goes through torch._check.
+
+# The integer dtypes the index / route arguments take.
+INDEX_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+
+
+def fail(op: str, msg: str):
+    raise RuntimeError(f"{op}: {msg}")
+
+
+def check(cond, op: str, msg: str) -> None:
+    if not cond:
+        fail(op, msg)
+
+
+def check_int_arg(op: str, name: str, v: int, lo: int = 0, hi: int = INT32_MAX) -> None:
+    check(lo <= v <= hi, op, f"{name} must be in [{lo}, {hi}], got {v}")
+
+
+def check_index_dtype(op: str, name: str, t: torch.Tensor) -> None:
+    check(t.dtype in INDEX_DTYPES, op,
+          f"{name} must be an integer tensor (uint8, int8, int16, int32 or int64), got {t.dtype}")
+
+
+def check_cp(op: str, cp_size: int, cp_rank: int, allow_all: bool) -> None:
+    check(1 <= cp_size <= 2**30, op, f"cp_size must be in [1, 2^30], got {cp_size}")
+    lo = -1 if allow_all else 0
+    check(
+        lo <= cp_rank < cp_size,
+        op,
+        f"cp_rank must be in [0, cp_size={cp_size})" + (" (or -1 for all ranks)" if allow_all else "") + f", got {cp_rank}",
+    )
+
+
+def check_cp_layout(op: str, cp_layout: int) -> None:
+    check(cp_layout in (0, 1), op, f"cp_layout must be 0 (zigzag) or 1 (contiguous), got {cp_layout}")
+
+
+def check_offsets(op: str, name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    check(t.dtype == torch.int32, op, f"{name} must be int32, got {t.dtype}")
+    check(t.dim() == 1, op, f"{name} must be 1-D with B + 1 >= 1 entries, got shape {tuple(t.shape)}")
+    torch._check(t.shape[0] >= 1, lambda: f"{op}: {name} must be 1-D with B + 1 >= 1 entries, got shape (0,)")
+    check(t.device == like.device, op, f"{name} is on {t.device} but the data is on {like.device}")
+
+
+def check_offset_pair(op: str, cu: torch.Tensor, cu_padded: torch.Tensor, like: torch.Tensor) -> None:
+    check_offsets(op, "cu_seqlens", cu, like)
+    check_offsets(op, "cu_seqlens_padded", cu_padded, like)
+    torch._check(
+        cu.shape[0] == cu_padded.shape[0],
+        lambda: f"{op}: cu_seqlens and cu_seqlens_padded must have the same length, got {cu.shape[0]} and "
+        f"{cu_padded.shape[0]}",
+    )
+
+
+def check_cp_rows(op: str, cp_size: int, local_rows) -> None:
+    """cp_size * local_rows fits int64 (concrete local_rows only), as the kernels' checked product."""
+    if type(local_rows) is int:
+        check(cp_size * local_rows <= INT64_MAX, op, f"cp_size * local_rows overflows int64 ({cp_size} * {local_rows})")
+
+
+def check_size(op: str, sized_by: str, shape, dtype: torch.dtype) -> None:
+    """The output's bytes fit int64, as the kernels' checked products (concrete sizes only; a
+    symbolic size is the kernel's to check). An empty output still needs its strides to fit, as
+    torch computes them (a zero-sized dim counts as 1)."""
+    if any(type(d) is not int for d in shape):
+        return
+    n = 1 if 0 in shape else dtype.itemsize
+    for d in shape:
+        n *= max(d, 1)
+    check(n <= INT64_MAX, op, f"the output size overflows int64 (shape {list(shape)} of {dtype}, sized by {sized_by})")
+
+
+def check_bool_tensor(op: str, name: str, mask: torch.Tensor, like: torch.Tensor, like_name: str = "the data is") -> None:
+    check(mask.dtype == torch.bool, op, f"{name} must be bool, got {mask.dtype}")
+    check(mask.device == like.device, op, f"{name} is on {mask.device} but {like_name} on {like.device}")
+
+
+def check_attention_mask(op: str, mask: torch.Tensor, like: torch.Tensor, cu: torch.Tensor) -> None:
+    """attention_mask: bool [B, S] on the data's device, B from cu_seqlens."""
+    check_bool_tensor(op, "attention_mask", mask, like)
+    check(mask.dim() == 2, op, f"attention_mask must be [B, S], got shape {tuple(mask.shape)}")
+    torch._check(
+        mask.shape[0] == cu.shape[0] - 1,
+        lambda: f"{op}: attention_mask has {mask.shape[0]} rows but the layout has {cu.shape[0] - 1} sequences",
+    )

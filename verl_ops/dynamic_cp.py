@@ -25,6 +25,11 @@ group of ``dp_size // local_cp_size`` ranks), with tensor collectives: a fixed-s
 the per-sequence lengths first, then one all-gather of the values (padded to the largest group),
 and one jagged_gather that restores the sample order. Every rank issues the same collectives
 whatever its data; inputs that disagree across ranks raise on every rank instead of hanging.
+
+This module holds the whole op family: the ops ``dynamic_cp_split`` / ``dynamic_cp_merge``
+(defined and implemented here in Python) and the C++ steps of the merge
+``dynamic_cp_merge_header`` / ``dynamic_cp_merge_index``, with their fake (Meta) kernels, the
+split's autograd and the Python API.
 """
 
 from __future__ import annotations
@@ -739,6 +744,32 @@ def _merge_fake(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     rows = torch.library.get_ctx().new_dynamic_size()
     return (values.new_empty((rows, *values.shape[1:])),
             torch.empty((num_samples,), dtype=torch.int64, device="meta" if values.device.type == "meta" else "cpu"))
+
+
+@torch.library.register_fake("verl_ops::dynamic_cp_merge_header")
+def _merge_header_fake(lengths, sample_ids, num_samples, rows, dtype_hash, feature_hash, row_bytes, key_hash,
+                       local_cp_size):
+    op = "dynamic_cp_merge_header"
+    if not 0 <= num_samples <= INT32_MAX:
+        raise RuntimeError(f"{op}: num_samples must be in [0, {INT32_MAX}], got {num_samples}")
+    check_merge_entries(op, lengths, sample_ids, num_samples, RuntimeError, list)
+    return lengths.new_empty((9 + 2 * num_samples,), dtype=torch.int64)
+
+
+@torch.library.register_fake("verl_ops::dynamic_cp_merge_index")
+def _merge_index_fake(header, num_samples, validate=True):
+    op = "dynamic_cp_merge_index"
+    if not 0 <= num_samples <= INT32_MAX:
+        raise RuntimeError(f"{op}: num_samples must be in [0, {INT32_MAX}], got {num_samples}")
+    width = 9 + 2 * num_samples
+    if header.dtype != torch.int64 or header.dim() != 2 or header.shape[0] < 1 or header.shape[1] != width:
+        raise RuntimeError(
+            f"{op}: header must be int64 [groups >= 1, 9 + 2 * num_samples = {width}], got {header.dtype} "
+            f"{list(header.shape)}"
+        )
+    G = header.shape[0]
+    return (header.new_empty((G + 2 + 9 * G + 2 * (num_samples + 1),)),
+            header.new_empty((num_samples + 1,), dtype=torch.int32))
 
 
 def _split_setup_context(ctx, inputs, output):

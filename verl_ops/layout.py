@@ -1,4 +1,7 @@
-"""ThdLayout: the one packing decision of a micro-batch, shared by every op that touches it."""
+"""ThdLayout: the one packing decision of a micro-batch, shared by every op that touches it.
+
+The Python API of the layout ops ``thd_layout`` and ``thd_layout_info`` (the layout's offsets and
+sizes, :meth:`ThdLayout.from_lengths` and friends), with their fake (Meta) kernels at the end."""
 
 from __future__ import annotations
 
@@ -9,14 +12,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ._validate import (
-    INT32_MAX,
-    _raise_bad_length,
-    as_bool,
-    as_int,
-    check_jagged,
-    host_values_required,
-    is_meta,
-    lengths_tensor,
+    INT32_MAX, _raise_bad_length, as_bool, as_int, check, check_cp_layout, check_index_dtype, check_int_arg,
+    check_jagged, host_values_required, is_meta, lengths_tensor
 )
 
 CP_LAYOUTS = ("zigzag", "contiguous")
@@ -382,3 +379,41 @@ class ThdLayout:
             and torch.equal(self.cu_seqlens_cpu, other.cu_seqlens_cpu)
             and torch.equal(self.cu_seqlens_padded_cpu, other.cu_seqlens_padded_cpu)
         )
+
+
+# --------------------------------------------------------------------------------------------
+# Fake (Meta) kernels of the layout ops: output shapes from the inputs' shapes alone, the argument
+# checks of csrc/ops/thd_ops.cpp (layout_params and the input checks) in its words.
+
+
+def _check_layout_args(op, name, x, tp_size, cp_size, cp_layout, min_local_rows, pad_to_length_bucket) -> None:
+    check_int_arg(op, "tp_size", tp_size, 1)
+    check_int_arg(op, "cp_size", cp_size, 1)
+    check_cp_layout(op, cp_layout)
+    if min_local_rows is not None:
+        check_int_arg(op, "min_local_rows", min_local_rows)
+    if pad_to_length_bucket is not None:
+        check(pad_to_length_bucket > 0, op, f"pad_to_length_bucket must be a positive integer, got {pad_to_length_bucket}")
+        check_int_arg(op, "pad_to_length_bucket", pad_to_length_bucket, 1)
+    check(x.dim() == 1, op, f"{name} must be 1-D, got shape {tuple(x.shape)}")
+    check_index_dtype(op, name, x)
+
+
+@torch.library.register_fake("verl_ops::thd_layout")
+def _thd_layout_fake(lengths, tp_size=1, cp_size=1, cp_layout=0, fp8_padding=False, min_local_rows=None,
+                     pad_to_length_bucket=None):
+    op = "thd_layout"
+    _check_layout_args(op, "lengths", lengths, tp_size, cp_size, cp_layout, min_local_rows, pad_to_length_bucket)
+    n = lengths.shape[0] + 1
+    return lengths.new_empty((n,), dtype=torch.int32), lengths.new_empty((n,), dtype=torch.int32)
+
+
+@torch.library.register_fake("verl_ops::thd_layout_info")
+def _thd_layout_info_fake(x, x_is_offsets=False, tp_size=1, cp_size=1, cp_layout=0, fp8_padding=False,
+                          min_local_rows=None, pad_to_length_bucket=None):
+    op = "thd_layout_info"
+    _check_layout_args(op, "offsets" if x_is_offsets else "lengths", x, tp_size, cp_size, cp_layout, min_local_rows,
+                       pad_to_length_bucket)
+    check(not x_is_offsets or x.shape[0] >= 1, op, "offsets must have B + 1 >= 1 entries, got 0")
+    b = x.shape[0] - 1 if x_is_offsets else x.shape[0]
+    return x.new_empty((2, b + 1), dtype=torch.int32), x.new_empty((7 + b,), dtype=torch.int64)

@@ -42,13 +42,125 @@ from __future__ import annotations
 
 import torch
 
-from ._thd import _as_nested, _check_mask, _check_mask_lengths, _nested_values, _offsets_on, _should_validate
-from . import _fake, _library
+from . import _library
+from ._thd import _as_nested, _nested_values, _offsets_on
+from ._validate import (
+    check, check_attention_mask, check_bool_tensor, check_cp, check_cp_layout, check_cp_rows,
+    check_index_dtype, check_int_arg, check_layout_mask, check_mask_lengths, check_offset_pair, check_rank,
+    check_size
+)
 from .layout import ThdLayout
 
 _ops = torch.ops.verl_ops
 
 __all__ = ["merge_router_topk", "scatter_router_topk"]
+
+
+# --------------------------------------------------------------------------------------------
+# Fake (Meta) kernels of the C++ ops router_topk_record (+ _layers) and router_topk_scatter:
+# output shapes from the inputs' shapes alone, the kernels' argument checks in their words.
+
+# int16 overflow flag slots of router_topk_record (core::kOverflowSlots).
+_OVERFLOW_SLOTS = 4096
+
+
+@torch.library.register_fake("verl_ops::router_topk_record")
+def _router_topk_record_fake(indices, cu_seqlens=None, cu_seqlens_padded=None, total_tokens=0, attention_mask=None,
+                             op="router_topk_record"):
+    check_index_dtype(op, "indices", indices)
+    check(indices.dim() == 3, op, f"indices must be [L, T_local_sp, K], got shape {tuple(indices.shape)}")
+    num_layers, rows, topk = indices.shape
+    torch._check(num_layers >= 1, lambda: f"{op}: indices must hold at least one layer")
+    fused = cu_seqlens is not None or cu_seqlens_padded is not None
+    check(
+        fused == (cu_seqlens is not None and cu_seqlens_padded is not None),
+        op,
+        "cu_seqlens and cu_seqlens_padded must be given together (fused unpack) or both omitted",
+    )
+    if not fused:
+        check(attention_mask is None, op, "attention_mask needs cu_seqlens and cu_seqlens_padded")
+        shape = (rows, num_layers, topk)
+    else:
+        check_offset_pair(op, cu_seqlens, cu_seqlens_padded, indices)
+        if attention_mask is not None:
+            check_attention_mask(op, attention_mask, indices, cu_seqlens)
+            shape = tuple(attention_mask.shape) + (num_layers, topk)
+        else:
+            torch._check(total_tokens >= 0, lambda: f"{op}: total_tokens must be >= 0, got {total_tokens}")
+            shape = (total_tokens, num_layers, topk)
+    check_size(op, "total_tokens / attention_mask", shape, torch.int16)
+    return indices.new_empty(shape, dtype=torch.int16), indices.new_empty((_OVERFLOW_SLOTS,), dtype=torch.int32)
+
+
+def _stack_layers_fake(op: str, indices) -> torch.Tensor:
+    """A list of L [T, K] layers (same dtype, device and shape) as one [L, T, K] fake tensor."""
+    check(len(indices) >= 1, op, "indices must hold at least one layer, got an empty list")
+    first = indices[0]
+    check(first.dim() == 2, op, f"indices[0] must be [T_local_sp, K], got shape {tuple(first.shape)}")
+    for i, t in enumerate(indices):
+        check(t.dim() == 2, op, f"indices[{i}] must be [T_local_sp, K], got shape {tuple(t.shape)}")
+        check(t.dtype == first.dtype, op, f"indices[{i}] is {t.dtype} but indices[0] is {first.dtype}")
+        check(t.device == first.device, op, f"indices[{i}] is on {t.device} but indices[0] is on {first.device}")
+        torch._check(t.shape[1] == first.shape[1], lambda i=i, t=t: f"{op}: indices[{i}] has top-k {t.shape[1]} "
+                     f"but indices[0] has {first.shape[1]}; K must be the same in every layer")
+        torch._check(t.shape[0] == first.shape[0], lambda i=i, t=t: f"{op}: indices[{i}] has {t.shape[0]} rows "
+                     f"but indices[0] has {first.shape[0]}; every layer records the same tokens")
+    return first.new_empty((len(indices),) + tuple(first.shape))
+
+
+if hasattr(torch.ops.verl_ops, "router_topk_record_layers"):
+
+    @torch.library.register_fake("verl_ops::router_topk_record_layers")
+    def _router_topk_record_layers_fake(indices, cu_seqlens=None, cu_seqlens_padded=None, total_tokens=0,
+                                        attention_mask=None):
+        op = "router_topk_record"
+        return _router_topk_record_fake(_stack_layers_fake(op, indices), cu_seqlens, cu_seqlens_padded, total_tokens,
+                                        attention_mask)
+
+
+@torch.library.register_fake("verl_ops::router_topk_scatter")
+def _router_topk_scatter_fake(routes, cu_seqlens, cu_seqlens_padded, local_rows, tp_size=1, tp_rank=0, cp_size=1,
+                              cp_rank=0, cp_layout=0, attention_mask=None, replay_mask=None):
+    op = "router_topk_scatter"
+    check_cp_layout(op, cp_layout)
+    check_index_dtype(op, "routes", routes)
+    check_int_arg(op, "tp_size", tp_size, 1)
+    check(0 <= tp_rank < tp_size, op, f"tp_rank must be in [0, tp_size={tp_size}), got {tp_rank}")
+    check_cp(op, cp_size, cp_rank, allow_all=False)
+    padded = attention_mask is not None
+    check(
+        routes.dim() == (4 if padded else 3),
+        op,
+        "routes must be " + ("[B, S, L, K] (with attention_mask)" if padded else "[total_tokens, L, K]")
+        + f", got shape {tuple(routes.shape)}",
+    )
+    check_offset_pair(op, cu_seqlens, cu_seqlens_padded, routes)
+    if attention_mask is not None:
+        msg = f"padded routes {list(routes.shape)} must be [B, S, L, K] matching attention_mask {list(attention_mask.shape)}"
+        check(attention_mask.dim() == 2, op, msg)
+        torch._check(routes.shape[0] == attention_mask.shape[0] and routes.shape[1] == attention_mask.shape[1],
+                     lambda: f"{op}: {msg}")
+        check_attention_mask(op, attention_mask, routes, cu_seqlens)
+    if replay_mask is not None:
+        check_bool_tensor(op, "replay_mask", replay_mask, routes, "routes are")
+        lead = routes.shape[:2] if padded else routes.shape[:1]
+        msg = ("replay_mask must be " + ("[B, S] like attention_mask" if padded else "[total_tokens] like the routes' rows")
+               + f", got shape {tuple(replay_mask.shape)}")
+        check(replay_mask.dim() == len(lead), op, msg)
+        torch._check(all(a == b for a, b in zip(replay_mask.shape, lead)), lambda: f"{op}: {msg}")
+    torch._check(local_rows >= 0, lambda: f"{op}: local_rows must be >= 0, got {local_rows}")
+    check_cp_rows(op, cp_size, local_rows)
+    torch._check(local_rows % tp_size == 0, lambda: f"{op}: local_rows={local_rows} is not divisible by "
+                 f"tp_size={tp_size}; the sequence-parallel split needs equal chunks")
+    rows = local_rows // tp_size
+    check_size(op, "local_rows", (routes.shape[-2], rows, routes.shape[-1]), torch.int64)
+    targets = routes.new_empty((routes.shape[-2], rows, routes.shape[-1]), dtype=torch.int64)
+    replay = routes.new_empty((rows,) if replay_mask is not None else (0,), dtype=torch.bool)
+    return targets, replay
+
+
+# --------------------------------------------------------------------------------------------
+# Python API and the op merge_router_topk (defined here).
 
 
 # dtype names as the C++ messages print them.
@@ -259,7 +371,7 @@ def _check_mask_counts(op: str, mask: torch.Tensor, cu: torch.Tensor, cu_padded:
     """Every row of attention_mask holds as many valid tokens as the layout's sequence (one read).
     The shapes and devices first (the offsets in the kernels' words), so that bad offsets are not
     blamed on the mask."""
-    _fake._check_offset_pair(op, cu, cu_padded, data)
+    check_offset_pair(op, cu, cu_padded, data)
     if mask.dtype != torch.bool or mask.dim() != 2:
         raise ValueError(f"{op}: attention_mask must be a bool [B, S] tensor, got {mask.dtype} {tuple(mask.shape)}")
     if mask.device != data.device:
@@ -352,15 +464,15 @@ for _key in ("CPU", "CUDA"):
 def _merge_fake(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_size=1, cp_layout=0,
                 tp_group_name=None, cp_group_name=None, attention_mask=None, validate=True, rank_error=False):
     op = "merge_router_topk"
-    stacked = indices[0] if len(indices) == 1 and indices[0].dim() == 3 else _fake.stack_layers_fake(op, indices)
-    _fake._int_arg(op, "tp_size", tp_size, 1)
-    _fake._int_arg(op, "cp_size", cp_size, 1)
-    _fake._check_cp_layout(op, cp_layout)
+    stacked = indices[0] if len(indices) == 1 and indices[0].dim() == 3 else _stack_layers_fake(op, indices)
+    check_int_arg(op, "tp_size", tp_size, 1)
+    check_int_arg(op, "cp_size", cp_size, 1)
+    check_cp_layout(op, cp_layout)
     torch._check(local_rows % tp_size == 0, lambda: f"{op}: local_rows={local_rows} is not divisible by "
                  f"tp_size={tp_size}; Megatron's sequence-parallel split needs equal chunks")
     torch._check(stacked.shape[1] == local_rows // tp_size, lambda: f"{op}: indices hold {stacked.shape[1]} rows per "
                  f"layer but the layout gives this rank local_rows / tp_size = {local_rows} / {tp_size}")
-    routes, _ = _fake._router_topk_record_fake(stacked, cu, cu_padded, total_tokens, attention_mask, op=op)
+    routes, _ = _router_topk_record_fake(stacked, cu, cu_padded, total_tokens, attention_mask, op=op)
     return routes
 
 
@@ -432,7 +544,7 @@ def merge_router_topk(
             raise ValueError(f"{op}: indices must be a list of [T_local_sp, K] tensors")
         cu, cu_padded = _offsets_on(op, layout, layers[0])
         if attention_mask is not None:
-            _check_mask(op, attention_mask, layout)
+            check_layout_mask(op, attention_mask, layout)
     except Exception:
         if checks and (tp > 1 or cp > 1):
             # Join the status exchange as a failed rank, so the other ranks raise too.
@@ -495,13 +607,12 @@ def scatter_router_topk(
     if not isinstance(routes, torch.Tensor):
         raise TypeError(f"{op}: routes must be a tensor, got {type(routes).__name__}")
     cu, cu_padded = _offsets_on(op, layout, routes)
-    for name, v, size in (("tp_rank", tp_rank, layout.tp_size), ("cp_rank", cp_rank, layout.cp_size)):
-        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < size:
-            raise ValueError(f"{op}: {name} must be an int in [0, {size}), got {v!r}")
+    check_rank(op, "tp_rank", tp_rank, layout.tp_size)
+    check_rank(op, "cp_rank", cp_rank, layout.cp_size)
     _rows_per_tp_rank(op, layout)
     if attention_mask is not None:
         # The mask first, so a wrong mask (e.g. 0-d) is reported as the mask's error.
-        _check_mask(op, attention_mask, layout)
+        check_layout_mask(op, attention_mask, layout)
         if routes.is_nested:
             raise ValueError(
                 f"{op}: attention_mask is for padded routes [B, S, L, K], not for a nested tensor"
@@ -511,7 +622,7 @@ def scatter_router_topk(
                 f"{op}: padded routes must be [B, S, L, K] matching attention_mask "
                 f"{tuple(attention_mask.shape)}, got {tuple(routes.shape)}"
             )
-        _check_mask_lengths(op, attention_mask, layout, validate)
+        check_mask_lengths(op, attention_mask, layout, validate)
         values = routes
         if replay_mask is not None:
             _check_int_mask(op, "replay_mask", replay_mask, routes.device)
