@@ -27,6 +27,7 @@ module is skipped without them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import sys
@@ -337,6 +338,42 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     return report
 
 
+def bshd_task(rank, world, device_kind, dtype_name, size_name, seed):
+    """One forward / backward of a right-padded [B, S] batch (verl's BSHD path: no packed
+    params, causal, MTP on), verl_ops' model against the reference from the same weights."""
+    device = _setup_rank(rank, device_kind)
+    dtype = getattr(torch, dtype_name)
+    metric = TOLERANCES[(device_kind, dtype_name)]["metric"]
+    size = lib.SIZES[size_name]
+    lib.init_distributed(1, device)
+    cfg = lib.make_config(size, dtype=dtype, device=device)
+    ref = lib.build_model(cfg, "reference", size=size, device=device, seed=seed)
+    lib.randomize_expert_bias(ref, seed + 1)
+    ours = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed + 7)
+    lib.copy_weights(ours, ref)
+    g = torch.Generator().manual_seed(seed + rank)
+    b, s = 3, 64 if device_kind == "cpu" else 512
+    ids = torch.randint(0, size.vocab, (b, s), generator=g).to(device)
+    labels = torch.roll(ids, -1, dims=1)
+    mask = (torch.rand(b, s, generator=g) < 0.8).float().to(device)
+    mask[:, -1] = 0  # the last position has no next token
+    weights = (torch.rand(b, s, generator=g) * 2 - 0.5).to(device)
+    position_ids = torch.arange(s, device=device).expand(b, s)
+    out = {}
+    for name, model in (("reference", ref), ("verl_ops", ours)):
+        shipped = lib.megatron_as_shipped() if name == "reference" else contextlib.nullcontext()
+        with lib.megatron_device(device), shipped:
+            loss = model(input_ids=ids, position_ids=position_ids, attention_mask=None, labels=labels, loss_mask=mask)
+            (loss * weights * mask).sum().backward()
+        out[name] = (loss.detach().float(), lib.grads(model))
+    return {
+        "megatron_core": _megatron_version(),
+        "attention": _mla_core_attention_types(ours),
+        "loss_err": _err(out["verl_ops"][0], out["reference"][0], metric),
+        "grads": _grad_report(out["verl_ops"][1], out["reference"][1], metric),
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # Assertions (in the test process).
 
@@ -467,6 +504,22 @@ def test_training_steps_match_reference(case):
             _check_grads(what, e["grads"], tol["grad"], tol["metric"])
         bad = {n: v for n, v in rep["param_errors"].items() if not v <= tol["param"]}
         assert not bad, f"rank {rank}: parameters after {STEPS} steps differ: {bad}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_bshd_matches_reference(case):
+    """verl's BSHD path (a right-padded [B, S] batch, no packed params): MLACoreAttention's BSHD
+    branch inside the model, per-token loss and every gradient against the reference."""
+    device_kind, dtype_name, size_name = case
+    _device_kind_or_skip(device_kind, dtype_name)
+    tol = TOLERANCES[(device_kind, dtype_name)]
+    for rank, rep in enumerate(_run("gloo", "bshd_task", device_kind, dtype_name, size_name, 23)):
+        what = f"{rep['megatron_core']} BSHD rank {rank}"
+        assert rep["attention"] == ["MLACoreAttention"] * 3, rep["attention"]
+        assert rep["loss_err"] <= tol["loss"], (
+            f"{what}: per-token loss differs: {tol['metric']} error {rep['loss_err']:.3g} > {tol['loss']:g}"
+        )
+        _check_grads(what, rep["grads"], tol["grad"], tol["metric"])
 
 
 CP_CASES = [
