@@ -874,10 +874,10 @@ def main(argv=None):
                     help="the --sizes models on the CPU in float32 with --tiny's batch, 1 step "
                          "(a check of the configurations, not a timing)")
     ap.add_argument("--sizes", default="2048,4096", help="hidden sizes (2048: 16 heads, 4096: 64 heads)")
-    ap.add_argument("--tokens", type=int, default=30 * 1024)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=30 * 1024, help="tokens of the RL-ragged micro-batch")
+    ap.add_argument("--reps", type=int, default=10, help="timed steps per path (median)")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps per path first")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
     ap.add_argument("--batches", type=int, default=1,
                     help="time over this many RL-ragged batches (seeds seed, seed+1, ...; round r runs batch "
                          "r mod N on both paths) instead of one: new lengths every step, as in training")
