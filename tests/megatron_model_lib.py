@@ -507,12 +507,18 @@ class Batch:
         return Batch(self.lengths, nest(self.input_ids), nest(self.loss_mask), nest(self.weights))
 
 
-def random_lengths(rng: random.Random, n_min=3, n_max=8, lo=5, hi=200, mu=3.5, sigma=0.9, with_one=True):
-    """Log-normal lengths clipped to [lo, hi]; one sequence of length 1 when ``with_one``."""
-    n = rng.randint(n_min, n_max)
+def random_lengths(
+    rng: random.Random, n_min=3, n_max=8, lo=5, hi=200, mu=3.5, sigma=0.9, with_one=True, with_long=False
+):
+    """``n_min``-``n_max`` log-normal lengths clipped to [lo, hi]; one of them 1 when ``with_one``
+    and another in [hi / 2, hi] when ``with_long``."""
+    n = rng.randint(max(n_min, int(with_one) + int(with_long)), n_max)
     lengths = [min(hi, max(lo, int(rng.lognormvariate(mu, sigma)))) for _ in range(n)]
+    slots = rng.sample(range(n), int(with_one) + int(with_long))
     if with_one:
-        lengths[rng.randrange(n)] = 1
+        lengths[slots.pop()] = 1
+    if with_long:
+        lengths[slots.pop()] = rng.randint(hi // 2, hi)
     return lengths
 
 

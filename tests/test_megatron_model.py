@@ -217,9 +217,9 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     rng = random.Random(seed * 1000 + rank)
     for step in range(steps):
         if device_kind == "cuda":
-            lengths = lib.random_lengths(rng, 3, 8, lo=16, hi=2048, mu=6.0, sigma=1.0)
+            lengths = lib.random_lengths(rng, 3, 8, lo=16, hi=2048, mu=6.0, sigma=1.0, with_long=True)
         else:
-            lengths = lib.random_lengths(rng)
+            lengths = lib.random_lengths(rng, with_long=True)
         batch = lib.make_batch(lengths, size.vocab, seed * 100 + 10 * rank + step, device)
         opt_ref.zero_grad(set_to_none=True)
         opt_ours.zero_grad(set_to_none=True)
@@ -274,9 +274,9 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     batches = []
     for step in range(steps):
         if device_kind == "cuda":
-            lengths = lib.random_lengths(rng, 3, 8, lo=16, hi=2048, mu=6.0, sigma=1.0)
+            lengths = lib.random_lengths(rng, 3, 8, lo=16, hi=2048, mu=6.0, sigma=1.0, with_long=True)
         else:
-            lengths = lib.random_lengths(rng)
+            lengths = lib.random_lengths(rng, with_long=True)
         batches.append(lib.make_batch(lengths, size.vocab, seed * 100 + step, device, cp_invariant_mtp=cp))
     lr = 0.05
 
