@@ -5,8 +5,9 @@ verl_ops' path against verl's.
 * verl_ops' path: ``MLACoreAttention`` in every MLA core attention (``megatron_mla.install``), the
   batch packed / unpacked by verl_ops' drop-ins, router replay through verl_ops' drop-ins.
 * The reference ("verl's path"): a plain per-sequence torch attention with V zero-padded to the
-  query head dim (tests/megatron_model_lib.py), the batch packed / unpacked by verl 0.9.1's own
-  ``preprocess_thd_engine`` / ``postprocess_thd_engine``.
+  query head dim (tests/megatron_model_lib.py), the batch packed / unpacked by the installed verl's
+  own ``preprocess_thd_engine`` / ``postprocess_thd_engine``, and megatron-core as shipped (what
+  ``install()`` replaces process-wide, e.g. the THD RoPE, is put back around its steps).
 
 Both models start from the same weights. Each step records the reference's routing with Megatron's
 ``RouterReplay`` (RECORD), carries it through ``merge_router_topk_indices`` (record: layers' top-k ->
@@ -18,6 +19,10 @@ compared, and both models take an SGD step.
 Context parallel: the same model with ``context_parallel_size=2`` on 2 ranks (gloo on the CPU, NCCL
 when 2 GPUs are visible), the batch packed for cp=2 zigzag by the drop-ins and the single-process
 routes scattered to each rank, against the single-process result.
+
+Also: verl's BSHD path (a right-padded ``[B, S]`` batch) in the same models, and
+``megatron_compat.patch_megatron_core`` (on the real megatron-core: exactly the fixes whose defect
+the process has; on stand-in modules: each fix only where its defect is).
 
 Everything runs in a pool of 2 worker processes (tests/_dist.py); the single-process checks run
 on both ranks with different batches (megatron-core's model-parallel state with TP = CP = 1).
@@ -56,7 +61,7 @@ pytestmark = pytest.mark.skipif(_MISSING is not None, reason=_MISSING or "")
 MODULE = "test_megatron_model"
 STEPS = 3
 
-# (device, dtype, size) -> tolerances: "max" = max |a - b| / max |b| per tensor; "norm" = ||a - b|| / ||b||.
+# (device, dtype) -> tolerances: "max" = max |a - b| / max |b| per tensor; "norm" = ||a - b|| / ||b||.
 # float32 on the CPU: both paths are float32 end to end (attention accumulates in float32 on both).
 # bf16 on a GPU (verl_ops' CUDA attention takes float16 / bfloat16): two attention implementations
 # rounding to bf16 in different places, 3 SGD steps.
@@ -384,7 +389,8 @@ def _check_grads(what: str, grads: dict, tol: float, metric: str):
     assert errors, f"{what}: no gradient was compared"
     attention = [n for n in errors if ".self_attention." in n]
     assert attention, f"{what}: no attention parameter got a gradient"
-    assert not [n for n in grads["no_grad"] if ".self_attention." in n or "mtp" in n], (
+    # (a routed expert that received no token may have none; attention and MTP's own layers must)
+    assert not [n for n in grads["no_grad"] if ".self_attention." in n or ("mtp" in n and ".experts." not in n)], (
         f"{what}: attention / MTP parameters without a gradient: {grads['no_grad']}"
     )
     worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
