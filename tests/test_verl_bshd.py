@@ -22,6 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import verl_stubs
 from test_verl_integration import make_seqs, nested, real_mpu, real_verl  # noqa: F401  (fixtures)
 
+from verl_ops.integrations import _common
 from verl_ops.integrations import verl as vi
 from verl_ops.integrations import verl_bshd as vb
 
@@ -377,7 +378,7 @@ def test_vlm_thd_align_rule_read_from_verl_source(tmp_path, monkeypatch, aligns,
     monkeypatch.setitem(sys.modules, "verl", pkg)
     monkeypatch.delitem(sys.modules, "verl.models.mcore.util", raising=False)
     monkeypatch.setattr(vb, "VLM_THD_ALIGN_RULE", None)
-    monkeypatch.setattr(vi, "_UTIL_TEXT_BY_FILE", {})
+    monkeypatch.setattr(_common, "_UTIL_TEXT_BY_FILE", {})
     assert vb.vlm_thd_align_rule() == rule
     monkeypatch.setattr(vb, "VLM_THD_ALIGN_RULE", "1.0")
     with pytest.raises(ValueError, match="VLM_THD_ALIGN_RULE"):

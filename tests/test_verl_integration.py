@@ -36,6 +36,7 @@ import verl_stubs
 from reference import ref_layout
 
 import verl_ops
+from verl_ops.integrations import _common
 from verl_ops.integrations import verl as vi
 
 CP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
@@ -343,7 +344,7 @@ def test_zigzag_roll_rule_read_from_verl_source(tmp_path, monkeypatch, padded_to
     monkeypatch.setitem(sys.modules, "verl", pkg)
     monkeypatch.delitem(sys.modules, "verl.models.mcore.util", raising=False)
     monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", None)
-    monkeypatch.setattr(vi, "_UTIL_TEXT_BY_FILE", {})
+    monkeypatch.setattr(_common, "_UTIL_TEXT_BY_FILE", {})
     assert vi.zigzag_roll_rule() == rule
     monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "1.0")
     with pytest.raises(ValueError, match="ZIGZAG_ROLL_RULE"):

@@ -52,10 +52,7 @@ only this rank's local shard; no collective runs in backward. ``cp == 1`` issues
 from __future__ import annotations
 
 import inspect
-import os
 import re
-import sys
-import warnings
 from dataclasses import fields, is_dataclass
 
 import torch
@@ -65,6 +62,13 @@ from .._thd import postprocess_thd, preprocess_thd
 from .._validate import check_jagged, check_plain, host_values_required, is_meta
 from ..layout import CP_LAYOUTS, ThdLayout, _to_device
 from ..layout import _rules as _layout_rules
+from ._common import LAYOUT_ATTR, _bool_mask, _megatron, _mpu, _verl_rule
+
+# install() / uninstall() and their registry live in verl_ops.integrations.install; re-exported
+# here, where verl_ops has always offered them.
+from .install import (  # noqa: F401
+    _ORIGINALS, _OWNERS, _UTIL_MODULE, _accepts, _all_drop_ins, install, last_report, uninstall,
+)
 
 __all__ = [
     "LAYOUT_ATTR",
@@ -76,41 +80,12 @@ __all__ = [
     "uninstall",
 ]
 
-#: Attribute of ``PackedSeqParams`` that carries the :class:`ThdLayout` of its micro-batch.
-LAYOUT_ATTR = "verl_ops_layout"
-
-
 # --------------------------------------------------------------------------------------------
-# Lazy megatron-core access.
-
-
-def _mpu():
-    core = sys.modules.get("megatron.core")  # (already imported: skip the import statement's ~7 µs)
-    ps = getattr(core, "parallel_state", None) if core is not None else None
-    if ps is not None:
-        return ps
-    try:
-        from megatron.core import parallel_state
-    except ImportError as e:  # pragma: no cover - exercised only without megatron-core
-        raise ImportError(
-            "verl_ops.integrations needs megatron-core (megatron.core.parallel_state); "
-            "install it with `pip install megatron-core`"
-        ) from e
-    return parallel_state
+# PackedSeqParams.
 
 
 def _packed_seq_params_cls():
-    cls = getattr(sys.modules.get("megatron.core.packed_seq_params"), "PackedSeqParams", None)
-    if cls is not None:
-        return cls
-    try:
-        from megatron.core.packed_seq_params import PackedSeqParams
-    except ImportError as e:  # pragma: no cover - exercised only without megatron-core
-        raise ImportError(
-            "verl_ops.integrations.verl needs megatron-core (megatron.core.packed_seq_params); "
-            "install it with `pip install megatron-core`"
-        ) from e
-    return PackedSeqParams
+    return _megatron("megatron.core.packed_seq_params", "PackedSeqParams", "verl_ops.integrations.verl")
 
 
 _FIELD_SUPPORT: dict[tuple[type, str], bool] = {}
@@ -169,18 +144,6 @@ def _check_cp_layout(op: str, cp_layout) -> None:
         # verl's exception and text, word for word: a drop-in raises what verl raises (verl's own
         # tests match this exact message), the one place where the message does not start with the op.
         raise ValueError(f"Unsupported context parallel layout: {cp_layout}")
-
-
-def _bool_mask(op: str, attention_mask: torch.Tensor, name: str = "attention_mask") -> torch.Tensor:
-    """A [B, S] mask as bool (0/1 integers accepted, as verl's masks)."""
-    if isinstance(attention_mask, torch.Tensor) and attention_mask.is_nested:
-        raise ValueError(f"{op}: {name} must be a [B, S] tensor, got a nested tensor")
-    if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2:
-        shape = (
-            tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
-        )
-        raise ValueError(f"{op}: {name} must be a [B, S] tensor, got {shape}")
-    return attention_mask if attention_mask.dtype == torch.bool else attention_mask != 0
 
 
 def _host_mask(op: str, mask: torch.Tensor) -> torch.Tensor:
@@ -349,30 +312,7 @@ def postprocess_packed_seqs(
 #: Which verl's zigzag roll rule preprocess_thd_engine follows: ``"0.9.1"``, ``"main"``, or None
 #: (default) for the rule of the verl that is in use, read from its ``verl/models/mcore/util.py``.
 ZIGZAG_ROLL_RULE: str | None = None
-_UTIL_TEXT_BY_FILE: dict[str, str] = {}  # verl util.py path -> its text, read once
 _PAD_TO_PADDED = re.compile(r"max\(\s*align_size\s*,\s*seqlen_padded_i\s*\)")
-
-
-def _verl_util_file() -> str | None:
-    mod = sys.modules.get("verl.models.mcore.util")
-    path = getattr(mod, "__file__", None)
-    if path:
-        return path
-    verl = sys.modules.get("verl")
-    roots = list(getattr(verl, "__path__", None) or [])
-    if not roots:
-        try:
-            import importlib.util
-
-            spec = importlib.util.find_spec("verl")  # finds the package without importing it
-        except (ImportError, ValueError):
-            spec = None
-        roots = list(spec.submodule_search_locations or []) if spec is not None else []
-    for root in roots:
-        path = os.path.join(root, "models", "mcore", "util.py")
-        if os.path.isfile(path):
-            return path
-    return None
 
 
 def zigzag_roll_rule() -> str:
@@ -381,39 +321,6 @@ def zigzag_roll_rule() -> str:
     length); ``"0.9.1"`` when no verl is found."""
     return _verl_rule("ZIGZAG_ROLL_RULE", ZIGZAG_ROLL_RULE, "preprocess_thd_engine",
                       lambda body: not _PAD_TO_PADDED.search(body))
-
-
-def _verl_rule(override_name: str, override: str | None, function: str, is_main) -> str:
-    """``"0.9.1"`` or ``"main"``: ``override`` (the module setting named ``override_name``) when set,
-    else ``"main"`` where the in-use verl's util.py has ``function`` and ``is_main(its source)``,
-    ``"0.9.1"`` otherwise (also when no verl is found)."""
-    if override is not None:
-        if override not in ("0.9.1", "main"):
-            raise ValueError(f"{override_name} must be '0.9.1', 'main' or None, got {override!r}")
-        return override
-    body = _verl_util_function(function)
-    return "main" if body and is_main(body) else "0.9.1"
-
-
-def _verl_util_function(name: str) -> str:
-    """The source of function `name` in the in-use verl's ``verl/models/mcore/util.py`` (up to the
-    next top-level ``def``), or "" where there is no verl, no such file or no such function."""
-    path = _verl_util_file()
-    if path is None:
-        return ""
-    text = _UTIL_TEXT_BY_FILE.get(path)
-    if text is None:
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except OSError:
-            text = ""
-        _UTIL_TEXT_BY_FILE[path] = text
-    start = text.find(f"def {name}(")
-    if start < 0:
-        return ""
-    end = text.find("\ndef ", start + 1)
-    return text[start:] if end < 0 else text[start:end]
 
 
 def _main_roll_rows(layout: ThdLayout, cp_rank: int):
@@ -625,7 +532,7 @@ def postprocess_thd_engine(
 
 
 # --------------------------------------------------------------------------------------------
-# Patching verl.
+# This module's drop-ins by their names in verl (verl_ops.integrations.install swaps them in).
 
 _DROP_INS = {
     "preprocess_packed_seqs": preprocess_packed_seqs,
@@ -633,131 +540,3 @@ _DROP_INS = {
     "preprocess_thd_engine": preprocess_thd_engine,
     "postprocess_thd_engine": postprocess_thd_engine,
 }
-_UTIL_MODULE = "verl.models.mcore.util"
-# Module that owns each drop-in in verl (the one install() patches first); default _UTIL_MODULE.
-_OWNERS: dict[str, str] = {
-    "_local_padding_mask": "verl.utils.dynamic_cp_scheduler",
-    "build_r3_replay_mask": "verl.utils.megatron.router_replay_utils",
-    "align_r3_router_replay_data": "verl.utils.megatron.router_replay_utils",
-    "pp_gather": "verl.utils.megatron.router_replay_utils",
-    "reorder_and_merge_vpp_layers": "verl.utils.megatron.router_replay_utils",
-    "merge_nested_router_maps": "verl.utils.megatron.router_replay_utils",
-    "DynamicCPScheduler": "verl.utils.dynamic_cp_scheduler",
-    "postprocess_dynamic_cp_batch": "verl.utils.dynamic_cp_scheduler",
-}
-# (module name, attribute) -> verl's original function, for uninstall().
-_ORIGINALS: dict[tuple[str, str], object] = {}
-#: What the last :func:`install` did: ``{"patched": [...], "missing": [...], "incompatible": [...]}``.
-last_report: dict[str, list[str]] = {"patched": [], "missing": [], "incompatible": []}
-
-
-def _all_drop_ins() -> dict:
-    """The THD drop-ins above, the BSHD / dict-output / VLM-mask ones (verl_bshd), the R3 /
-    router padding-mask ones (verl_r3), the pipeline-parallel router-map ones (verl_pp) and the
-    dynamic CP scheduler class and output collection (verl_dcp)."""
-    from . import verl_bshd, verl_dcp, verl_pp, verl_r3
-
-    out = dict(_DROP_INS)
-    out.update({name: getattr(verl_bshd, name) for name in verl_bshd.__all__})
-    out.update({
-        "_local_padding_mask": verl_r3.local_padding_mask,
-        "build_r3_replay_mask": verl_r3.build_r3_replay_mask,
-        "align_r3_router_replay_data": verl_r3.align_r3_router_replay_data,
-    })
-    out.update({name: getattr(verl_pp, name) for name in verl_pp.__all__})
-    out["DynamicCPScheduler"] = verl_dcp.DynamicCPScheduler
-    out["postprocess_dynamic_cp_batch"] = verl_dcp.postprocess_dynamic_cp_batch
-    return out
-
-
-def _accepts(ours, theirs) -> bool:
-    """verl's parameters are a prefix of ours, in order (every verl call site still binds the same)."""
-    try:
-        mine = list(inspect.signature(ours).parameters)
-        other = list(inspect.signature(theirs).parameters)
-    except (TypeError, ValueError):
-        return False
-    return mine[: len(other)] == other
-
-
-def install(*, strict: bool = False, report: bool = False):
-    """Swap the drop-ins into verl.
-
-    Replaces the THD functions (``preprocess_packed_seqs``, ``postprocess_packed_seqs``,
-    ``preprocess_thd_engine``, ``postprocess_thd_engine``) and the BSHD / dict-output / VLM-mask
-    ones of :mod:`verl_ops.integrations.verl_bshd` (``preprocess_bshd_engine``,
-    ``postprocess_bshd_engine``, ``preprocess_bshd``, ``postprocess_bshd``,
-    ``postprocess_packed_seqs_for_dict_output``, ``build_vlm_attn_mask_thd``,
-    ``build_vlm_attn_mask_bshd``) and the R3 / router padding-mask ones of
-    :mod:`verl_ops.integrations.verl_r3` (``_local_padding_mask`` in
-    ``verl.utils.dynamic_cp_scheduler``; ``build_r3_replay_mask``, ``align_r3_router_replay_data`` in
-    ``verl.utils.megatron.router_replay_utils``), the pipeline-parallel router-map ones of
-    :mod:`verl_ops.integrations.verl_pp` and the dynamic CP ones of
-    :mod:`verl_ops.integrations.verl_dcp` (``DynamicCPScheduler``, ``postprocess_dynamic_cp_batch``)
-    in the verl module that owns them (``verl.models.mcore.util`` unless named)
-    and in every already-imported ``verl.*`` module that imported them by name (e.g.
-    ``verl.models.mcore.model_forward``); modules imported later pick the drop-ins up from the
-    owner. A function this verl does not have is reported as missing; one whose verl parameters
-    are not a prefix of ours (a newer/forked verl with parameters the drop-in lacks) is left
-    alone, reported as incompatible, with a warning.
-
-    Returns the patched names as ``"module.attribute"`` (newly patched by this call), or with
-    ``report=True`` the dict ``{"patched": [...], "missing": [...], "incompatible": [...]}`` (also
-    kept in :data:`last_report`). When verl (or megatron-core, which verl's module imports) is not
-    importable, nothing is patched — or ``ImportError`` is raised if ``strict=True``. Undo with
-    :func:`uninstall`.
-    """
-    import importlib
-
-    drop_ins = _all_drop_ins()
-    result = {"patched": [], "missing": [], "incompatible": []}
-    originals = {}
-    for name, ours in drop_ins.items():
-        owner = _OWNERS.get(name, _UTIL_MODULE)
-        try:
-            mod = importlib.import_module(owner)
-        except Exception:  # noqa: BLE001  (ImportError, or any error raised while verl's module imports)
-            if strict:
-                raise
-            result["missing"].append(f"{owner}.{name}")
-            continue
-        current = getattr(mod, name, None)
-        if current is None:
-            result["missing"].append(f"{owner}.{name}")
-            continue
-        theirs = _ORIGINALS.get((owner, name), current)
-        if theirs is ours:
-            continue
-        if not _accepts(ours, theirs):
-            warnings.warn(
-                f"verl_ops.integrations.verl.install: {owner}.{name} has parameters the drop-in "
-                f"does not support ({inspect.signature(theirs)}); leaving verl's version in place",
-                stacklevel=2,
-            )
-            result["incompatible"].append(f"{owner}.{name}")
-            continue
-        originals[name] = theirs
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
-            continue
-        for name, theirs in originals.items():
-            if getattr(mod, name, None) is theirs:
-                _ORIGINALS.setdefault((mod_name, name), theirs)
-                setattr(mod, name, drop_ins[name])
-                result["patched"].append(f"{mod_name}.{name}")
-    result = {k: sorted(v) for k, v in result.items()}
-    last_report.clear()
-    last_report.update(result)
-    return result if report else result["patched"]
-
-
-def uninstall() -> list[str]:
-    """Undo :func:`install`: put verl's original functions back. Returns the restored names."""
-    restored = []
-    for (mod_name, name), theirs in list(_ORIGINALS.items()):
-        mod = sys.modules.get(mod_name)
-        if mod is not None and getattr(mod, name, None) is _all_drop_ins()[name]:
-            setattr(mod, name, theirs)
-            restored.append(f"{mod_name}.{name}")
-        del _ORIGINALS[(mod_name, name)]
-    return sorted(restored)

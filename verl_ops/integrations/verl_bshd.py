@@ -38,7 +38,8 @@ import torch
 
 from .._thd import postprocess_thd, preprocess_thd
 from ..layout import ThdLayout
-from .verl import _mpu, _verl_rule, postprocess_packed_seqs
+from ._common import _mpu, _verl_rule
+from .verl import postprocess_packed_seqs
 
 __all__ = [
     "build_vlm_attn_mask_bshd",

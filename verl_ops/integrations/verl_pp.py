@@ -56,6 +56,7 @@ from functools import reduce
 import torch
 
 from .._validate import check_jagged, is_jagged_nested
+from ._common import _megatron, _mpu
 
 __all__ = ["merge_nested_router_maps", "pp_gather", "reorder_and_merge_vpp_layers"]
 
@@ -160,13 +161,8 @@ def merge_nested_router_maps(router_maps) -> torch.Tensor:
 
 
 def _schedule_table(num_microbatches, vpp_size, microbatch_group_size_per_vp_stage):
-    try:
-        from megatron.core.pipeline_parallel.schedules import get_schedule_table
-    except ImportError as e:  # pragma: no cover - exercised only without megatron-core
-        raise ImportError(
-            "verl_ops.integrations.verl_pp needs megatron-core "
-            "(megatron.core.pipeline_parallel.schedules); install it with `pip install megatron-core`"
-        ) from e
+    get_schedule_table = _megatron("megatron.core.pipeline_parallel.schedules", "get_schedule_table",
+                                   "verl_ops.integrations.verl_pp")
     return get_schedule_table(num_microbatches, vpp_size, microbatch_group_size_per_vp_stage)
 
 
@@ -404,8 +400,6 @@ def pp_gather(local_layers_router_map, tf_config):
     pp_size = tf_config.pipeline_model_parallel_size
     if pp_size <= 1:
         return local_layers_router_map
-    from .verl import _mpu
-
     group = _mpu().get_pipeline_model_parallel_group()
     world = torch.distributed.get_world_size(group)
     if world != pp_size:

@@ -51,7 +51,7 @@ import torch
 from ..layout import ThdLayout
 from ..router import merge_router_topk, scatter_router_topk
 from .._validate import check_jagged, host_values_required, is_meta
-from .verl import LAYOUT_ATTR, _bool_mask, _mpu
+from ._common import LAYOUT_ATTR, _bool_mask, _mpu
 
 __all__ = ["layout_options", "merge_router_topk_indices", "router_layout", "set_router_replay_data"]
 
