@@ -23,6 +23,14 @@ Meta tensors (:func:`is_meta`). Validation that reads data to the host is skippe
 from shapes alone — building a :class:`~verl_ops.ThdLayout` or a dynamic-CP plan, which decide
 output shapes from the lengths' *values* — raises a ``ValueError`` saying the op needs host lengths
 (:func:`host_values_required`); build the layout from host lengths with ``device="meta"`` instead.
+
+When to read values (:func:`should_validate`, :func:`is_tracing`): every wrapper checks values
+eagerly unless ``validate=False``, and never under torch.compile, CUDA-graph capture or on meta
+tensors. Layout arguments (:func:`check_rank`, :func:`check_layout_mask`,
+:func:`check_mask_lengths`): ranks and attention masks against a :class:`~verl_ops.ThdLayout`.
+
+Raw ops (:func:`check` and the ``check_*`` functions after it): the argument checks that the fake
+(Meta) kernels of every op family share, raising ``RuntimeError`` in the C++ kernels' words.
 """
 
 from __future__ import annotations
