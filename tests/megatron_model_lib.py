@@ -23,7 +23,10 @@ Two paths, with identical weights:
 Nothing here is specific to the test framework; the functions take a device and a dtype. On a
 machine without CUDA, megatron-core's ``torch.cuda.current_device()`` calls (buffers of the MoE
 router, the router's move of its weight to the GPU, MTP loss logging) are pointed at the CPU
-inside :func:`megatron_device` — megatron-core itself assumes a GPU there.
+inside :func:`megatron_device` — megatron-core itself assumes a GPU there —, the MoE layer uses
+the all-gather token dispatcher (the all-to-all one creates a CUDA stream when it is built), and
+:func:`eager_megatron_fusions` spares each process megatron-core's ``torch.compile`` of its small
+fusions.
 """
 
 from __future__ import annotations
@@ -316,10 +319,6 @@ def set_core_attention(spec, cls) -> int:
     return count
 
 
-def core_attention_classes(spec) -> list:
-    return [sub.core_attention for sub in _walk_mla_submodules(spec)]
-
-
 def make_config(
     size: ModelSize | str = "tiny",
     *,
@@ -388,7 +387,15 @@ def make_config(
         moe_router_fusion=False,
         init_method_std=0.02,
     )
+    missing = sorted(k for k in kwargs if k not in fields and k not in _OPTIONAL_CONFIG)
+    if missing:
+        raise ValueError(f"make_config: this megatron-core's MLATransformerConfig has no {missing}")
     return MLATransformerConfig(**{k: v for k, v in kwargs.items() if k in fields})
+
+
+# Kernel-fusion switches: a megatron-core without them computes the same model.
+_OPTIONAL_CONFIG = {"moe_router_fusion", "moe_permute_fusion", "persist_layer_norm", "bias_activation_fusion",
+                    "masked_softmax_fusion", "apply_rope_fusion", "gradient_accumulation_fusion"}
 
 
 def build_specs(config, core_attention: str):
