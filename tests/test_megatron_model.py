@@ -157,12 +157,14 @@ def _compat_report() -> dict:
 def _setup_rank(rank: int, device_kind: str):
     _compat_report()
     torch.set_num_threads(1)
+    # megatron-core's small fusions run eagerly in these processes (both paths alike): compiling
+    # them would cost each process far more than the steps themselves.
+    lib.eager_megatron_fusions()
     if device_kind == "cuda":
         device = torch.device("cuda", rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        lib.eager_megatron_fusions()
     return device
 
 
