@@ -5,20 +5,20 @@ tokens, fixed seed; bench_mla.py's rl_ragged_lengths) with 16 and 128 heads, zig
 at every CP size the ranks allow (2, 4, 8: the world cut into CP groups of that size, all groups
 running at once). Methods, each timed forward and forward+backward:
 
-  ours (all-gather)    verl_ops.mla_cp_attention: K and V all-gathered over the CP group, one
-                       varlen call per rank with the native Dv=128; backward reduce-scatters dK/dV
+  ours (all-gather)    verl_ops.mla_cp_attention (cp_comm_type="all_gather"): K and V all-gathered
+                       over the CP group, one varlen call per rank with the native Dv=128;
+                       backward: K and V gathered again, dK/dV reduce-scattered
   all-gather, V padded the same with V zero-padded to 192 before the call (so the gather moves and
                        the kernels read 192-wide V) and the output trimmed to 128: what Megatron
                        does when it pads V for MLA, i.e. the cost of the pad
-  ring (p2p)           Megatron's `p2p` cp_comm_type: K/V blocks passed around the ring with
-                       dist.batch_isend_irecv (the next block's transfer overlapping this block's
-                       attention), each step attending the local queries to the visiting block
-                       with torch.ops.verl_ops.mla_forward_padded (zigzag: step 0 causal on the
-                       own block; a block from a lower rank: all local queries against its first
-                       chunk; from a higher rank: the local second-chunk queries against the whole
-                       block), partial outputs merged by log-sum-exp in PyTorch elementwise ops
-                       (not fused). Backward: the same ring with mla_backward_padded against the
-                       final out / lse, dK/dV accumulators travelling with the blocks (bf16).
+  ring (p2p)           verl_ops.mla_cp_attention(cp_comm_type="p2p"), Megatron's `p2p`: K/V blocks
+                       passed around the ring with dist.batch_isend_irecv (the next block's
+                       transfer overlapping this block's attention), one varlen call per step
+                       (zigzag: step 0 causal on the own block; a block from a lower rank: all
+                       local queries against its first chunks; from a higher rank: the local
+                       second chunks against the whole block), partial outputs merged by
+                       log-sum-exp in PyTorch elementwise ops (not fused); backward: the same ring,
+                       dK/dV accumulators travelling with the blocks
   K/V all-gather alone the two all-gathers (forward) and two reduce-scatters (backward) of ours,
                        without attention: the communication floor of the all-gather methods
   single GPU / cp      mla_forward_padded over the whole batch on one GPU, divided by cp: the
@@ -94,165 +94,6 @@ def timeit(fn, device, repeats, warmup):
 
 
 # --------------------------------------------------------------------------------------------
-# The ring (p2p) attention, zigzag layout.
-
-
-class RingPlan:
-    """Offsets and row indices of the zigzag ring's three kinds of step (see the module doc)."""
-
-    def __init__(self, cu_padded: list, cp: int, group, device):
-        self.cp, self.rank, self.group = cp, dist.get_rank(group), group
-        self.next = dist.get_global_rank(group, (self.rank + 1) % cp)
-        self.prev = dist.get_global_rank(group, (self.rank - 1) % cp)
-        padded = [b - a for a, b in zip(cu_padded[:-1], cu_padded[1:])]
-        assert all(p % (2 * cp) == 0 for p in padded), "zigzag needs padded lengths that are multiples of 2 cp"
-        local = [p // cp for p in padded]
-        chunk = [p // (2 * cp) for p in padded]
-
-        def offsets(sizes):
-            out = [0]
-            for s in sizes:
-                out.append(out[-1] + s)
-            return torch.tensor(out, dtype=torch.int32, device=device)
-
-        self.cu_local, self.cu_chunk = offsets(local), offsets(chunk)  # whole local rows / one chunk
-        self.max_local, self.max_chunk = max(local, default=0), max(chunk, default=0)
-        starts = [a // cp for a in cu_padded[:-1]]
-        first = [torch.arange(s, s + c) for s, c in zip(starts, chunk)]
-        second = [torch.arange(s + c, s + 2 * c) for s, c in zip(starts, chunk)]
-        empty = torch.zeros(0, dtype=torch.int64)
-        self.first = torch.cat(first or [empty]).to(device)  # each sequence's first chunk on a rank
-        self.second = torch.cat(second or [empty]).to(device)  # ... and its second chunk
-
-    def steps(self):
-        """(step, kind) with kind "self" (causal, own block), "low" (a block of a lower CP rank:
-        every local query against its first chunks) or "high" (a higher rank: the local second
-        chunks against the whole block)."""
-        for i in range(self.cp):
-            src = (self.rank - i) % self.cp
-            yield i, "self" if i == 0 else ("low" if src < self.rank else "high")
-
-
-def _p2p(sends, recvs, plan):
-    ops = [dist.P2POp(dist.isend, t, plan.next, plan.group) for t in sends]
-    ops += [dist.P2POp(dist.irecv, t, plan.prev, plan.group) for t in recvs]
-    return dist.batch_isend_irecv(ops)
-
-
-def _wait(reqs):
-    for r in reqs:
-        r.wait()
-
-
-def _merge(out_acc, lse_acc, out, lse, rows=None):
-    """Fold a partial (out [t, H, Dv], lse [H, t]) into the float32 accumulators (at `rows`)."""
-    if rows is None:
-        new = torch.logaddexp(lse_acc, lse.float())
-        out_acc.mul_(torch.exp(lse_acc - new).t().unsqueeze(-1))
-        out_acc.add_(out.float() * torch.exp(lse.float() - new).t().unsqueeze(-1))
-        lse_acc.copy_(new)
-        return
-    acc_o, acc_l = out_acc.index_select(0, rows), lse_acc.index_select(1, rows)
-    new = torch.logaddexp(acc_l, lse.float())
-    acc_o = acc_o * torch.exp(acc_l - new).t().unsqueeze(-1) + out.float() * torch.exp(lse.float() - new).t().unsqueeze(-1)
-    out_acc.index_copy_(0, rows, acc_o)
-    lse_acc.index_copy_(1, rows, new)
-
-
-class RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, plan, scale, backend):
-        t, h = q.shape[:2]
-        out_acc = torch.zeros(t, h, v.shape[-1], dtype=torch.float32, device=q.device)
-        lse_acc = torch.full((h, t), -math.inf, dtype=torch.float32, device=q.device)
-        kb, vb = k.contiguous(), v.contiguous()
-        for i, kind in plan.steps():
-            reqs, nxt = [], None
-            if i < plan.cp - 1:  # the next block travels while this one is attended
-                nxt = (torch.empty_like(kb), torch.empty_like(vb))
-                reqs = _p2p((kb, vb), nxt, plan)
-            if kind == "self":
-                o, lse = _ops.mla_forward_padded(q, kb, vb, plan.cu_local, plan.cu_local, plan.max_local,
-                                                 plan.max_local, True, scale, backend)
-                _merge(out_acc, lse_acc, o, lse)
-            elif kind == "low":
-                o, lse = _ops.mla_forward_padded(q, kb.index_select(0, plan.first), vb.index_select(0, plan.first),
-                                                 plan.cu_local, plan.cu_chunk, plan.max_local, plan.max_chunk,
-                                                 False, scale, backend)
-                _merge(out_acc, lse_acc, o, lse)
-            else:
-                o, lse = _ops.mla_forward_padded(q.index_select(0, plan.second), kb, vb, plan.cu_chunk,
-                                                 plan.cu_local, plan.max_chunk, plan.max_local, False, scale,
-                                                 backend)
-                _merge(out_acc, lse_acc, o, lse, plan.second)
-            _wait(reqs)
-            if nxt is not None:
-                kb, vb = nxt
-        out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.plan, ctx.scale, ctx.backend = plan, scale, backend
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        plan, scale, backend = ctx.plan, ctx.scale, ctx.backend
-        lse = lse.to(_lse_dtype(q))
-        dout = dout.contiguous()
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kb, vb = k.contiguous(), v.contiguous()
-        acc = None  # (dK, dV) of the visiting block, travelling with it
-        acc_reqs, acc_in = [], None
-        second = plan.second
-        for i, kind in plan.steps():
-            reqs, nxt = [], None
-            if i < plan.cp - 1:
-                nxt = (torch.empty_like(kb), torch.empty_like(vb))
-                reqs = _p2p((kb, vb), nxt, plan)
-            if kind == "self":
-                dq_p, dk_p, dv_p = _ops.mla_backward_padded(dout, q, kb, vb, out, lse, plan.cu_local, plan.cu_local,
-                                                            plan.max_local, plan.max_local, True, scale, backend)
-                dq.add_(dq_p)
-            elif kind == "low":
-                first = plan.first
-                dq_p, dkf, dvf = _ops.mla_backward_padded(
-                    dout, q, kb.index_select(0, first), vb.index_select(0, first), out, lse, plan.cu_local,
-                    plan.cu_chunk, plan.max_local, plan.max_chunk, False, scale, backend)
-                dq.add_(dq_p)
-                dk_p = torch.zeros_like(kb).index_copy_(0, first, dkf)
-                dv_p = torch.zeros_like(vb).index_copy_(0, first, dvf)
-            else:
-                dq_p, dk_p, dv_p = _ops.mla_backward_padded(
-                    dout.index_select(0, second), q.index_select(0, second), kb, vb, out.index_select(0, second),
-                    lse.index_select(1, second).contiguous(), plan.cu_chunk, plan.cu_local, plan.max_chunk,
-                    plan.max_local, False, scale, backend)
-                dq.index_add_(0, second, dq_p.float())
-            if acc_in is not None:  # the accumulator of this block, from the previous rank
-                _wait(acc_reqs)
-                dk_p, dv_p = acc_in[0] + dk_p, acc_in[1] + dv_p
-            acc = (dk_p.contiguous(), dv_p.contiguous())
-            acc_in = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
-            # Forward the accumulator with its block; after the last step it reaches the block's
-            # owner (rank r receives its own block's total from rank r - 1).
-            acc_reqs = _p2p(acc, acc_in, plan)
-            _wait(reqs)
-            if nxt is not None:
-                kb, vb = nxt
-        _wait(acc_reqs)
-        return dq.to(q.dtype), acc_in[0], acc_in[1], None, None, None
-
-
-def _lse_dtype(q):
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def ring_attention(q, k, v, plan, scale, backend=0):
-    if plan.cp == 1:
-        raise ValueError("ring_attention: cp must be > 1")
-    return RingAttention.apply(q, k, v, plan, scale, backend)
-
-
-# --------------------------------------------------------------------------------------------
 # One batch.
 
 
@@ -295,7 +136,6 @@ def bench_case(rank, world, device, dtype, cp, heads, lengths, args, rows):
     g = torch.Generator(device=device).manual_seed(1000 + heads)
     q, k = (torch.randn(total, heads, dqk, device=device, dtype=dtype, generator=g) for _ in range(2))
     v, grad = (torch.randn(total, heads, dv, device=device, dtype=dtype, generator=g) for _ in range(2))
-    plan = RingPlan(cu_padded, cp, group, device)
     idx = []
     for a, b in zip(cu_padded[:-1], cu_padded[1:]):
         c = (b - a) // (2 * cp)
@@ -317,7 +157,8 @@ def bench_case(rank, world, device, dtype, cp, heads, lengths, args, rows):
         return out[..., :dv]
 
     def ring(q_, k_, v_):
-        return ring_attention(q_, k_, v_, plan, scale)
+        return verl_ops.mla_cp_attention(q_, k_, v_, cu, max_seqlen, cp_group=group, cp_layout="zigzag",
+                                         softmax_scale=scale, cp_comm_type="p2p")
 
     kg = torch.empty((cp * kl.shape[0],) + tuple(kl.shape[1:]), dtype=dtype, device=device)
     vg = torch.empty((cp * vl.shape[0],) + tuple(vl.shape[1:]), dtype=dtype, device=device)

@@ -161,8 +161,16 @@ def _assert_close(what, got, want, tol):
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 3e-2}
 
 
-def run_case(group, cp, r, device, lengths, cp_layout, dtype, heads, dqk, dv, seed, *, scale=None, cu_on_device=False,
-             bucket=None):
+def run_case(group, cp, r, device, lengths, cp_layout, dtype, heads, dqk, dv, seed, **kw):
+    """run_case_comm with each communication the layout takes: the all-gather, and for zigzag the
+    ring (cp_comm_type "p2p") too."""
+    for comm in ("all_gather", "p2p") if cp_layout == "zigzag" else ("all_gather",):
+        rows = run_case_comm(group, cp, r, device, lengths, cp_layout, dtype, heads, dqk, dv, seed, comm=comm, **kw)
+    return rows
+
+
+def run_case_comm(group, cp, r, device, lengths, cp_layout, dtype, heads, dqk, dv, seed, *, comm, scale=None,
+                  cu_on_device=False, bucket=None):
     """One mla_cp_attention call on this rank (forward and backward) checked against the full attention.
 
     CPU: the full attention in float64 from the same (dtype-rounded) inputs; CUDA: the single-GPU
@@ -186,12 +194,12 @@ def run_case(group, cp, r, device, lengths, cp_layout, dtype, heads, dqk, dv, se
     ql, kl, vl = (x[rows].to(device).requires_grad_(True) for x in (q, k, v))
     cu_arg = cu_cpu.to(device) if cu_on_device else cu_cpu
     out = verl_ops.mla_cp_attention(ql, kl, vl, cu_arg, layout.max_seqlen, cp_group=group, cp_layout=cp_layout,
-                                    softmax_scale=scale)
+                                    softmax_scale=scale, cp_comm_type=comm)
     assert out.dtype == dtype and out.device == ql.device, (out.dtype, out.device)
     assert tuple(out.shape) == (layout.local_rows, heads, dv), tuple(out.shape)
     assert out.requires_grad
     out.backward(grad[rows].to(device))
-    what = f"{cp_layout} cp={cp} rank={r} {dtype} n={heads} {dqk}/{dv} lengths={lengths}"
+    what = f"{cp_layout} {comm} cp={cp} rank={r} {dtype} n={heads} {dqk}/{dv} lengths={lengths}"
     for name, got, w in zip(("out", "dq", "dk", "dv"), (out.detach(), ql.grad, kl.grad, vl.grad), want):
         assert got is not None and got.dtype == dtype, (what, name)
         _assert_close(f"{what}: {name}", got.cpu(), w.cpu(), TOL[dtype])

@@ -38,6 +38,7 @@ _ops = torch.ops.verl_ops
 
 OP = "mla_cp_attention"
 CP_LAYOUTS = ("zigzag", "contiguous")
+CP_COMM_TYPES = ("all_gather", "p2p")
 _PLAN_ATTR = "_verl_ops_mla_cp_plan"
 
 
@@ -69,7 +70,7 @@ def _reduce_scatter(x: torch.Tensor, group, size: int) -> torch.Tensor:
     return out
 
 
-class _CpAttention(torch.autograd.Function):
+class _AllGatherAttention(torch.autograd.Function):
     """All-gather K / V, attend this rank's query segments to their key prefixes (one varlen call),
     and the adjoint. Only this rank's q, k, v, out and lse are kept for the backward, which
     gathers K / V again: the memory kept per layer shrinks with the CP size, as CP is for."""
@@ -100,6 +101,133 @@ class _CpAttention(torch.autograd.Function):
         return dq, _reduce_scatter(dk_all, group, cp), _reduce_scatter(dv_all, group, cp), None, None, None, None, None
 
 
+def _exchange(sends, recvs, group, cp, rank):
+    """Send ``sends`` to the next rank of the ring and receive ``recvs`` from the previous one."""
+    nxt = dist.get_global_rank(group, (rank + 1) % cp)
+    prv = dist.get_global_rank(group, (rank - 1) % cp)
+    ops = [dist.P2POp(dist.isend, t, nxt, group) for t in sends]
+    ops += [dist.P2POp(dist.irecv, t, prv, group) for t in recvs]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(reqs):
+    for r in reqs:
+        r.wait()
+
+
+def _ring_steps(cp, rank):
+    """(step, kind) of the zigzag ring: step i attends the K / V block of rank ``rank - i``.
+    "self": the own block, causal. "low" (a lower rank's block, chunks ``src`` and ``2 cp - 1 - src``):
+    every local query sees its first chunks whole and its second chunks not at all. "high" (a higher
+    rank's block): only the local second chunks see it, whole."""
+    for i in range(cp):
+        src = (rank - i) % cp
+        yield i, "self" if i == 0 else ("low" if src < rank else "high")
+
+
+def _merge(out_acc, lse_acc, out, lse, rows=None):
+    """Fold a partial result (out [t, H, Dv], lse [H, t]) into the accumulators (at ``rows``)."""
+    acc_o = out_acc if rows is None else out_acc.index_select(0, rows)
+    acc_l = lse_acc if rows is None else lse_acc.index_select(1, rows)
+    new = torch.logaddexp(acc_l, lse.to(acc_l.dtype))
+    merged = acc_o * torch.exp(acc_l - new).t().unsqueeze(-1) + out.to(acc_o.dtype) * torch.exp(
+        lse.to(acc_l.dtype) - new
+    ).t().unsqueeze(-1)
+    if rows is None:
+        out_acc.copy_(merged)
+        lse_acc.copy_(new)
+    else:
+        out_acc.index_copy_(0, rows, merged)
+        lse_acc.index_copy_(1, rows, new)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Zigzag ring (Megatron's ``p2p`` cp_comm_type): the K / V blocks travel round the CP group
+    while each step's block is attended (one varlen call per step), partial results merged by
+    their log-sum-exp; in the backward the blocks travel again with their dK / dV accumulators,
+    which reach the block's owner after the last step."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, plan, group, cp, scale, backend_code):
+        rank = dist.get_rank(group)
+        t, h = q.shape[:2]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out_acc = torch.zeros(t, h, v.shape[-1], dtype=acc, device=q.device)
+        lse_acc = torch.full((h, t), -math.inf, dtype=acc, device=q.device)
+        kb, vb = k.contiguous(), v.contiguous()
+        for i, kind in _ring_steps(cp, rank):
+            reqs, nxt = [], None
+            if i < cp - 1:  # the next block travels while this one is attended
+                nxt = (torch.empty_like(kb), torch.empty_like(vb))
+                reqs = _exchange((kb, vb), nxt, group, cp, rank)
+            if kind == "self":
+                o, lse = _ops.mla_forward_padded(q, kb, vb, plan.cu_local, plan.cu_local, plan.max_local,
+                                                 plan.max_local, True, scale, backend_code)
+                _merge(out_acc, lse_acc, o, lse)
+            elif kind == "low":
+                o, lse = _ops.mla_forward_padded(
+                    q, kb.index_select(0, plan.first), vb.index_select(0, plan.first), plan.cu_local, plan.cu_chunk,
+                    plan.max_local, plan.max_chunk, False, scale, backend_code)
+                _merge(out_acc, lse_acc, o, lse)
+            else:
+                o, lse = _ops.mla_forward_padded(
+                    q.index_select(0, plan.second), kb, vb, plan.cu_chunk, plan.cu_local, plan.max_chunk,
+                    plan.max_local, False, scale, backend_code)
+                _merge(out_acc, lse_acc, o, lse, plan.second)
+            _wait(reqs)
+            if nxt is not None:
+                kb, vb = nxt
+        out = out_acc.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.meta = (plan, group, cp, scale, backend_code)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, group, cp, scale, backend_code = ctx.meta
+        rank = dist.get_rank(group)
+        dout = dout.contiguous()
+        dq = torch.zeros(q.shape, dtype=lse.dtype, device=q.device)
+        kb, vb = k.contiguous(), v.contiguous()
+        acc_reqs, acc_in = [], None
+        for i, kind in _ring_steps(cp, rank):
+            reqs, nxt = [], None
+            if i < cp - 1:
+                nxt = (torch.empty_like(kb), torch.empty_like(vb))
+                reqs = _exchange((kb, vb), nxt, group, cp, rank)
+            if kind == "self":
+                dq_p, dk_p, dv_p = _ops.mla_backward_padded(dout, q, kb, vb, out, lse, plan.cu_local, plan.cu_local,
+                                                            plan.max_local, plan.max_local, True, scale, backend_code)
+                dq.add_(dq_p)
+            elif kind == "low":
+                dq_p, dkf, dvf = _ops.mla_backward_padded(
+                    dout, q, kb.index_select(0, plan.first), vb.index_select(0, plan.first), out, lse, plan.cu_local,
+                    plan.cu_chunk, plan.max_local, plan.max_chunk, False, scale, backend_code)
+                dq.add_(dq_p)
+                dk_p = torch.zeros_like(kb).index_copy_(0, plan.first, dkf)
+                dv_p = torch.zeros_like(vb).index_copy_(0, plan.first, dvf)
+            else:
+                second = plan.second
+                dq_p, dk_p, dv_p = _ops.mla_backward_padded(
+                    dout.index_select(0, second), q.index_select(0, second), kb, vb, out.index_select(0, second),
+                    lse.index_select(1, second).contiguous(), plan.cu_chunk, plan.cu_local, plan.max_chunk,
+                    plan.max_local, False, scale, backend_code)
+                dq.index_add_(0, second, dq_p.to(dq.dtype))
+            if acc_in is not None:  # this block's accumulator, from the previous rank
+                _wait(acc_reqs)
+                dk_p, dv_p = acc_in[0] + dk_p, acc_in[1] + dv_p
+            acc = (dk_p.contiguous(), dv_p.contiguous())
+            acc_in = (torch.empty_like(acc[0]), torch.empty_like(acc[1]))
+            # The accumulator travels with its block; after the last step it reaches the owner.
+            acc_reqs = _exchange(acc, acc_in, group, cp, rank)
+            _wait(reqs)
+            if nxt is not None:
+                kb, vb = nxt
+        _wait(acc_reqs)
+        return dq.to(q.dtype), acc_in[0], acc_in[1], None, None, None, None, None
+
+
 class CpPlan:
     """Varlen offsets of this rank's query segments and the index of their key prefixes in the
     all-gathered K / V (built on the host, moved to the device once)."""
@@ -117,6 +245,22 @@ class CpPlan:
         self.max_kv = int(seg_kv.max()) if seg_kv.numel() else 0
         self.kv_index = kv_index.to(device)
         self.key = (cp, rank, cp_layout, str(device), cu_seqlens_padded._version)
+        if cp_layout == "zigzag":
+            self._ring(cu, cp, device)
+
+    def _ring(self, cu, cp, device):
+        # The ring's offsets: each sequence's local rows (2 chunks) or one chunk, and the local row
+        # indices of every sequence's first and second chunk.
+        chunk = (cu[1:] - cu[:-1]) // (2 * cp)
+        local = 2 * chunk
+        self.cu_local = torch.cat([local.new_zeros(1), local.cumsum(0)]).to(torch.int32).to(device)
+        self.cu_chunk = torch.cat([chunk.new_zeros(1), chunk.cumsum(0)]).to(torch.int32).to(device)
+        self.max_local = int(local.max()) if local.numel() else 0
+        self.max_chunk = int(chunk.max()) if chunk.numel() else 0
+        start = torch.repeat_interleave(cu[:-1] // cp, chunk)
+        first = start + _positions_in_segments(chunk)
+        self.first = first.to(device)
+        self.second = (first + torch.repeat_interleave(chunk, chunk)).to(device)
 
     def _zigzag(self, cu, cp, rank):
         # Segment j of sequence i: query chunk m = mine[j] (c_i rows, at local_start_i + j * c_i),
@@ -246,6 +390,7 @@ def mla_cp_attention(
     cp_layout: str = "zigzag",
     softmax_scale: float | None = None,
     backend: str = "auto",
+    cp_comm_type: str = "all_gather",
 ) -> torch.Tensor:
     """Causal attention of this CP rank's query rows over the whole sequences' keys.
 
@@ -261,6 +406,10 @@ def mla_cp_attention(
         softmax_scale: default ``1 / sqrt(Dqk)``.
         backend: :func:`mla_forward_padded`'s backend (``"auto"``, ``"padded"``, ``"native"``,
             ``"varlen"``).
+        cp_comm_type: ``"all_gather"`` (K / V all-gathered, one attention call; both layouts) or
+            ``"p2p"`` (a ring: K / V blocks passed round the group under the attention of the
+            previous block, log-sum-exp merges; zigzag only). Megatron's names; which is faster
+            depends on the CP size and the heads (docs/megatron.md#context-parallel).
 
     Returns:
         ``[t_local, n, Dv]``, equal to the rows of this rank in causal attention over the whole
@@ -270,6 +419,10 @@ def mla_cp_attention(
         raise ValueError(f"{OP}: cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
     if backend not in BACKENDS:
         raise ValueError(f"{OP}: backend must be one of {BACKENDS}, got {backend!r}")
+    if cp_comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"{OP}: cp_comm_type must be one of {CP_COMM_TYPES}, got {cp_comm_type!r}")
+    if cp_comm_type == "p2p" and cp_layout != "zigzag":
+        raise ValueError(f"{OP}: cp_comm_type 'p2p' (the ring) takes the zigzag layout only, got {cp_layout!r}")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     cp, rank = group_size_rank(cp_group)
@@ -282,4 +435,5 @@ def mla_cp_attention(
             q, k, v, cu32, cu32, max_seqlen, max_seqlen, causal=True, softmax_scale=softmax_scale, backend=backend
         )
     plan = _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, cp_group)
-    return _CpAttention.apply(q, k, v, plan, cp_group, cp, float(softmax_scale), BACKENDS.index(backend))
+    impl = _RingAttention if cp_comm_type == "p2p" else _AllGatherAttention
+    return impl.apply(q, k, v, plan, cp_group, cp, float(softmax_scale), BACKENDS.index(backend))

@@ -277,8 +277,9 @@ class MLACoreAttention(torch.nn.Module):
       real lengths (padding rows attend too, and are never read by a real token).
     - BSHD / SBHD (no packed params): ``[s, b, n, d]`` -> ``[s, b, n * Dv]``.
     - Context parallel (the CP group has > 1 rank; dynamic CP's ``packed_seq_params.cp_group``
-      and ``local_cp_size`` per micro-batch): :func:`verl_ops.mla_cp_attention`, K / V all-gathered
-      over the group, ``cp_layout`` zigzag (Megatron's) or contiguous.
+      and ``local_cp_size`` per micro-batch): :func:`verl_ops.mla_cp_attention` with the layer's
+      ``cp_comm_type`` (``"p2p"``: the ring; ``"all_gather"``), ``cp_layout`` zigzag (Megatron's) or
+      contiguous (all-gather).
 
     Not supported (a clear error, never a silent difference): masks other than causal, attention
     dropout while training (verl trains MLA with ``attention_dropout=0``), softmax variants other
@@ -345,6 +346,15 @@ class MLACoreAttention(torch.nn.Module):
                 "training; set config.attention_dropout = 0.0 (verl's MLA setting)"
             )
 
+    def _comm(self, cp_layout: str) -> str:
+        """Megatron's ``cp_comm_type`` for this layer: ``"p2p"`` (its default) runs the ring on the
+        zigzag layout; ``"all_gather"``, the contiguous layout and every other type (``"a2a"``,
+        ``"a2a+p2p"``) run the all-gather."""
+        comm = self.cp_comm_type if self.cp_comm_type is not None else getattr(self.config, "cp_comm_type", None)
+        if isinstance(comm, (list, tuple)):  # one entry per layer
+            comm = comm[(self.layer_number - 1) % len(comm)] if comm else None
+        return "p2p" if comm in (None, "p2p") and cp_layout == "zigzag" else "all_gather"
+
     def _scale(self, query) -> float:
         if self.softmax_scale is not None:
             return float(self.softmax_scale)
@@ -392,8 +402,8 @@ class MLACoreAttention(torch.nn.Module):
                 # The padded offsets' longest sequence may exceed max_seqlen_q (the real lengths').
                 max_seqlen = _cached_max(cu)
             out = mla_cp_attention(
-                query, key, value, cu, max_seqlen,
-                cp_group=group, cp_layout=self.cp_layout, softmax_scale=scale, backend=self.backend,
+                query, key, value, cu, max_seqlen, cp_group=group, cp_layout=self.cp_layout,
+                softmax_scale=scale, backend=self.backend, cp_comm_type=self._comm(self.cp_layout),
             )
             return out.reshape(out.shape[0], -1)
         if query.dim() != 4:
@@ -409,8 +419,8 @@ class MLACoreAttention(torch.nn.Module):
         cu = torch.arange(0, b + 1, dtype=torch.int32, device=query.device) * (s * cp)
         # Megatron shards BSHD sequences over CP in zigzag chunks (get_batch_on_this_cp_rank).
         out = mla_cp_attention(
-            rows(query), rows(key), rows(value), cu, s * cp,
-            cp_group=group, cp_layout="zigzag", softmax_scale=scale, backend=self.backend,
+            rows(query), rows(key), rows(value), cu, s * cp, cp_group=group, cp_layout="zigzag",
+            softmax_scale=scale, backend=self.backend, cp_comm_type=self._comm("zigzag"),
         )
         dv = value.shape[-1]
         return out.reshape(b, s, n * dv).transpose(0, 1).contiguous()
