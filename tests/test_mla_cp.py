@@ -97,7 +97,7 @@ def dist_run4(request):
 
 
 def rank_rows(cu_padded, cp: int, r: int, cp_layout: str) -> torch.Tensor:
-    """Global padded rows that CP rank r holds, in its local order (OPS.md section 2): zigzag:
+    """Global padded rows that CP rank r holds, in its local order (docs/cp.md#cp-layouts): zigzag:
     chunks r and 2cp-1-r of each sequence cut in 2cp chunks; contiguous: rows
     [r * total / cp, (r + 1) * total / cp) of the global buffer."""
     cu = [int(x) for x in cu_padded]
