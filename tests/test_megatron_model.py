@@ -361,9 +361,11 @@ def bshd_task(rank, world, device_kind, dtype_name, size_name, seed):
     g = torch.Generator().manual_seed(seed + rank)
     b, s = 3, 64 if device_kind == "cpu" else 512
     ids = torch.randint(0, size.vocab, (b, s), generator=g).to(device)
-    labels = torch.roll(ids, -1, dims=1)
     mask = (torch.rand(b, s, generator=g) < 0.8).float().to(device)
-    mask[:, -1] = 0  # the last position has no next token
+    for i, n in enumerate((s, s - 7, 1)[:b]):  # valid lengths; the rest is right padding (id 0)
+        ids[i, n:] = 0
+        mask[i, n - 1 :] = 0  # no next token at the last valid position nor in the padding
+    labels = torch.roll(ids, -1, dims=1)
     weights = (torch.rand(b, s, generator=g) * 2 - 0.5).to(device)
     position_ids = torch.arange(s, device=device).expand(b, s)
     out = {}
