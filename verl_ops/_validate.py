@@ -218,6 +218,12 @@ def check_plain(op: str, name: str, t, *, optional: bool = False) -> None:
         raise ValueError(f"{op}: {name} must be a plain (strided) tensor, got a nested tensor")
 
 
+class CallerRejected(Exception):
+    """Raised inside a collective op called with ``rank_error=True``: its wrapper found this rank's
+    input bad before the op. The op still joins its status exchange, so the other ranks raise too,
+    and the wrapper raises its own error."""
+
+
 # --------------------------------------------------------------------------------------------
 # When to check values. Checks that read data to the host run eagerly; never while tracing
 # (torch.compile), while capturing a CUDA graph, or on meta tensors (no values to read).

@@ -45,6 +45,7 @@ import torch
 
 from ._jagged import jagged_indices
 from ._validate import (
+    CallerRejected,
     INT32_MAX,
     as_lengths,
     check_jagged,
@@ -458,11 +459,6 @@ _lib.define(
 )
 
 
-class _CallerRejected(Exception):
-    """The wrapper found this rank's input bad before the op (``rank_error=True``): the op joins
-    the status exchange, so the other ranks raise too, and the wrapper raises its own error."""
-
-
 def _groups_of(op: str, group_name) -> DynamicCPGroups | None:
     """The DynamicCPGroups of the DPxCP group named ``group_name`` (None: no process group)."""
     if group_name is None:
@@ -491,7 +487,7 @@ def _exchange(op: str, groups: DynamicCPGroups, words: list, error, what: str) -
     """All-gather one fixed-size int64 row per rank (word 0: this rank's status) over the DPxCP
     group; raise on every rank when any rank failed. Returns the rows on the host."""
     rows = _all_gather_words([1 if error is not None else 0] + words, groups.group, groups.device, groups.dp_size)
-    _raise_collected(op, rows[:, 0], None if isinstance(error, _CallerRejected) else error, what)
+    _raise_collected(op, rows[:, 0], None if isinstance(error, CallerRejected) else error, what)
     return rows
 
 
@@ -504,7 +500,7 @@ def _split_impl(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, ass
     error = plan = None
     try:
         if rank_error:
-            raise _CallerRejected()
+            raise CallerRejected()
         if not isinstance(assignment, int) or not 0 <= assignment < len(ASSIGNMENTS):
             raise ValueError(f"{op}: assignment must be 0 (contiguous) or 1 (balanced), got {assignment!r}")
         ls = as_lengths(op, "lengths", lengths)
@@ -533,7 +529,7 @@ def _split_impl(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, ass
                 f"{rows[:, 1:].tolist()})"
             )
     if error is not None:
-        if isinstance(error, _CallerRejected):
+        if isinstance(error, CallerRejected):
             raise RuntimeError(f"{op}: this rank's input was rejected before the op")
         raise error
     ids = plan.sample_ids
@@ -629,7 +625,7 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     valid_b = isinstance(B, int) and not isinstance(B, bool) and 0 <= B <= INT32_MAX
     try:
         if rank_error:
-            raise _CallerRejected()
+            raise CallerRejected()
         if not valid_b:
             raise ValueError(f"{op}: num_samples must be an int >= 0, got {B!r}")
         if groups is None and local_cp_size != 1:
@@ -656,7 +652,7 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     else:
         hdr_dev = local.view(1, -1)
     if error is not None:
-        _raise_collected(op, hdr_dev[:, _MERGE_STATUS].cpu(), None if isinstance(error, _CallerRejected) else error,
+        _raise_collected(op, hdr_dev[:, _MERGE_STATUS].cpu(), None if isinstance(error, CallerRejected) else error,
                          "outputs")
         raise error  # not reached: this rank's own status is 1
     # The index and the checks on the header's device, then the one host read: the check results,

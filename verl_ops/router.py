@@ -45,7 +45,7 @@ import torch
 from . import _library
 from ._thd import _as_nested, _nested_values, _offsets_on
 from ._validate import (
-    check, check_attention_mask, check_bool_tensor, check_cp, check_cp_layout, check_cp_rows,
+    CallerRejected, check, check_attention_mask, check_bool_tensor, check_cp, check_cp_layout, check_cp_rows,
     check_index_dtype, check_int_arg, check_layout_mask, check_mask_lengths, check_offset_pair, check_rank,
     check_size
 )
@@ -296,10 +296,6 @@ _lib.define(
 )
 
 
-class _CallerRejected(Exception):
-    """The wrapper found this rank's input bad before the op (``rank_error=True``)."""
-
-
 def _group_of(op: str, name: str, group_name, size: int):
     if size == 1:
         return None
@@ -350,7 +346,7 @@ def _agree(op: str, fp: torch.Tensor, groups, overflow, error) -> None:
         # The next group sees this group's verdict: over TP then CP every rank learns about all.
         payload = torch.cat([payload[:n], verdict])
     failed, mismatch, over = payload[n:].tolist()  # the one host read of the checks
-    if error is not None and not isinstance(error, _CallerRejected):
+    if error is not None and not isinstance(error, CallerRejected):
         raise error
     if failed:
         what = "this rank's" if error is not None else "another rank's"
@@ -401,7 +397,7 @@ def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_
     error = overflow = None
     try:
         if rank_error:
-            raise _CallerRejected()
+            raise CallerRejected()
         stacked = len(indices) == 1 and indices[0].dim() == 3
         layer_list, num_layers, rows, topk, device = _layer_list(op, indices[0] if stacked else list(indices))
         if local_rows % tp != 0:
@@ -424,7 +420,7 @@ def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_
             local, overflow = _record(layer_list, op=op)
     except Exception as e:  # every rank still joins the exchange below; re-raised after it
         if not exchange:
-            if isinstance(e, _CallerRejected):
+            if isinstance(e, CallerRejected):
                 raise RuntimeError(f"{op}: this rank's input was rejected before the op") from None
             raise
         error = e
