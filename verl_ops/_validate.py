@@ -218,6 +218,17 @@ def check_plain(op: str, name: str, t, *, optional: bool = False) -> None:
         raise ValueError(f"{op}: {name} must be a plain (strided) tensor, got a nested tensor")
 
 
+def process_group_named(op: str, name: str, group_name: str):
+    """The c10d process group called ``group_name`` (the op's argument ``name``; the collective ops
+    take groups by name, as torch's functional collectives do), or a ValueError."""
+    import torch.distributed as dist
+
+    try:
+        return dist.distributed_c10d._resolve_process_group(group_name)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{op}: {name}={group_name!r} names no process group") from e
+
+
 class CallerRejected(Exception):
     """Raised inside a collective op called with ``rank_error=True``: its wrapper found this rank's
     input bad before the op. The op still joins its status exchange, so the other ranks raise too,

@@ -52,6 +52,7 @@ from ._validate import (
     check_merge_entries,
     host_values_required,
     is_meta,
+    process_group_named,
 )
 
 _ops = torch.ops.verl_ops
@@ -468,10 +469,7 @@ def _groups_of(op: str, group_name) -> DynamicCPGroups | None:
         raise RuntimeError(f"{op}: group_name={group_name!r} given but torch.distributed is not initialized")
     inst = DynamicCPGroups._cache.get(group_name)
     if inst is None:
-        try:
-            pg = dist.distributed_c10d._resolve_process_group(group_name)
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"{op}: group_name={group_name!r} names no process group") from e
+        pg = process_group_named(op, "group_name", group_name)
         inst = DynamicCPGroups.for_group(None if pg == dist.group.WORLD else pg)
     return inst
 

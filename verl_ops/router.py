@@ -47,7 +47,7 @@ from ._thd import _as_nested, _nested_values, _offsets_on
 from ._validate import (
     CallerRejected, check, check_attention_mask, check_bool_tensor, check_cp, check_cp_layout, check_cp_rows,
     check_index_dtype, check_int_arg, check_layout_mask, check_mask_lengths, check_offset_pair, check_rank,
-    check_size
+    check_size, process_group_named
 )
 from .layout import ThdLayout
 
@@ -261,6 +261,10 @@ def _check_group(op: str, name: str, group, size: int) -> None:
         )
     if torch.compiler.is_compiling():
         return
+    _check_world(op, name, group, size)
+
+
+def _check_world(op: str, name: str, group, size: int) -> None:
     import torch.distributed as dist
 
     world = dist.get_world_size(group)
@@ -301,15 +305,8 @@ def _group_of(op: str, name: str, group_name, size: int):
         return None
     if group_name is None:
         raise ValueError(f"{op}: {name}_size={size} needs {name}_group (the process group to gather over)")
-    import torch.distributed as dist
-
-    try:
-        group = dist.distributed_c10d._resolve_process_group(group_name)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{op}: {name}_group_name={group_name!r} names no process group") from e
-    world = dist.get_world_size(group)
-    if world != size:
-        raise ValueError(f"{op}: {name}_group has {world} ranks but layout.{name}_size is {size}")
+    group = process_group_named(op, f"{name}_group_name", group_name)
+    _check_world(op, name, group, size)
     return group
 
 
