@@ -598,6 +598,15 @@ def verl_pack(monkeypatch=None) -> PackFns:
 # One forward / backward.
 
 
+def clear_mtp_tracker() -> None:
+    """Empty megatron-core's process-wide MTP loss tracker: it keeps its tensors on the device of
+    the first step that logged to it, so a process that runs CPU steps and then GPU steps must
+    start each step afresh."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    MTPLossLoggingHelper.tracker.clear()
+
+
 @dataclass
 class StepResult:
     loss_per_token: torch.Tensor  # float32, cross entropy of the next token at every position that has one
@@ -617,6 +626,7 @@ def forward_backward(
     ``as_shipped``: forward and backward inside :func:`megatron_as_shipped` (the reference path)."""
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
+    clear_mtp_tracker()
     rs = routers(model) if replay is not None else []
     for r in rs:
         r.clear_indices()

@@ -372,6 +372,7 @@ def bshd_task(rank, world, device_kind, dtype_name, size_name, seed):
     for name, model in (("reference", ref), ("verl_ops", ours)):
         shipped = lib.megatron_as_shipped() if name == "reference" else contextlib.nullcontext()
         with lib.megatron_device(device), shipped:
+            lib.clear_mtp_tracker()
             loss = model(input_ids=ids, position_ids=position_ids, attention_mask=None, labels=labels, loss_mask=mask)
             (loss * weights * mask).sum().backward()
         out[name] = (loss.detach().float(), lib.grads(model))
