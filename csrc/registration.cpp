@@ -5,9 +5,9 @@
 // (as aten's `int reduction`): cp_layout 0 = zigzag, 1 = contiguous; backend 0 = auto,
 // 1 = padded, 2 = native, 3 = varlen. The Python API takes the names. Fake (Meta) kernels and autograd are
 // registered from Python (verl_ops/_fake.py and the op modules).
+#include "mla/mla_ops.h"
 #include "ops/jagged_ops.h"
 #include "ops/merge_ops.h"
-#include "ops/mla_ops.h"
 #include "ops/router_ops.h"
 #include "ops/stable.h"
 #include "ops/thd_ops.h"

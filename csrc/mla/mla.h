@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "thd_layout.h"
+#include "../core/thd_layout.h"
 
 namespace verl_ops {
 namespace core {

@@ -16,11 +16,11 @@
 //   where its ~40 ms per call comes from, so it is deliberately not used here.
 // varlen: cuDNN's SDPA on the packed THD rows themselves (ragged offsets, a padding mask from the
 //   per-sequence lengths, Dv != Dqk), through graphs of the cuDNN frontend kept in a plan cache
-//   keyed by bucketed shapes (csrc/cuda/mla_cudnn_varlen.h). No padded copies, no host read of the
+//   keyed by bucketed shapes (csrc/mla/cudnn/mla_cudnn_varlen.h). No padded copies, no host read of the
 //   lengths: one metadata launch turns cu_seqlens into lengths and element offsets on the device.
 //   Compiled only where setup.py found the frontend (VERL_OPS_WITH_CUDNN_FE). The forward for
 //   Dqk 192 / Dv 128 on compute capability 9.0 runs the own SM90 kernel instead
-//   (csrc/cuda/mla_sm90_fwd.cu; VERL_OPS_VARLEN_FORWARD=cudnn keeps cuDNN's).
+//   (csrc/mla/sm90/mla_sm90_fwd.cu; VERL_OPS_VARLEN_FORWARD=cudnn keeps cuDNN's).
 //
 // Stable ABI (target 2.9): aten ops go through the dispatcher (st::call_aten) with Tensor / int /
 // float / bool / optional arguments only (and, at 2.9 to 2.11, only ops whose returns read the same
@@ -39,14 +39,14 @@
 
 #include <torch/csrc/inductor/aoti_torch/generated/c_shim_cuda.h>
 
-#include "../cuda/mla_kernels.h"
+#include "cuda/mla_kernels.h"
 #ifdef VERL_OPS_WITH_CUDNN_FE
-#include "../cuda/mla_cudnn_varlen.h"
-#include "../cuda/mla_sm90_bwd.h"
-#include "../cuda/mla_sm90_fwd.h"
+#include "cudnn/mla_cudnn_varlen.h"
+#include "sm90/mla_sm90_bwd.h"
+#include "sm90/mla_sm90_fwd.h"
 #endif
 #include "mla_ops.h"
-#include "thd_ops.h"
+#include "../ops/thd_ops.h"
 
 namespace verl_ops {
 namespace ops {
@@ -357,7 +357,7 @@ std::tuple<Tensor, Tensor> varlen_forward(const char* op, const Tensor& q, const
   if (s.dqk == 192 && s.dv == 128 && s.tq < kInt32Rows && s.tk < kInt32Rows &&
       cuda::sm90_forward_device(q.get_device_index())) {
     // MLA's head dims on Hopper (rows addressed by TMA's int32 coordinates): the own SM90 kernel
-    // (csrc/cuda/mla_sm90_fwd.cu), which writes the same outputs as cuDNN's forward (every row of
+    // (csrc/mla/sm90/mla_sm90_fwd.cu), which writes the same outputs as cuDNN's forward (every row of
     // every sequence, +inf log-sum-exp where a row sees no key), so cuDNN's backward reads them
     // unchanged. No plan, no host read.
     const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
@@ -420,7 +420,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(
   if (s.dqk == 192 && s.dv == 128 && s.tq < kInt32Rows && s.tk < kInt32Rows &&
       cuda::sm90_backward_device(q.get_device_index())) {
     // MLA's head dims on Hopper (unless VERL_OPS_VARLEN_BACKWARD=cudnn): the own SM90 backward
-    // (csrc/cuda/mla_sm90_bwd.cu). It reads the
+    // (csrc/mla/sm90/mla_sm90_bwd.cu). It reads the
     // forward's output and log-sum-exp as they are (either forward's), writes every dq row and
     // the dk / dv rows of every sequence (zeros where no query sees a key), needs no plan and no
     // host read. Its workspace: dq's fp32 accumulator and lse / D per head and row.

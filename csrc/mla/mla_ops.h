@@ -23,7 +23,7 @@
 #include <optional>
 #include <tuple>
 
-#include "stable.h"
+#include "../ops/stable.h"
 
 namespace verl_ops {
 namespace ops {
@@ -31,7 +31,7 @@ namespace ops {
 using st::Tensor;
 
 // The raw ops' int backend argument (the stable ABI has no str at 2.9; Python maps the names).
-// varlen: cuDNN's SDPA on the packed rows through the cuDNN frontend (csrc/cuda/mla_cudnn_varlen.h),
+// varlen: cuDNN's SDPA on the packed rows through the cuDNN frontend (csrc/mla/cudnn/mla_cudnn_varlen.h),
 // compiled only where setup.py found the frontend's headers (VERL_OPS_WITH_CUDNN_FE).
 enum class MlaBackend { kPadded, kNative, kVarlen };
 constexpr int64_t kMlaBackendAuto = 0;
@@ -121,9 +121,9 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cpu(
 // build has the backend), size, hits, misses, builds, failed builds, evictions, capacity (0: no
 // limit), buckets whose build failed (remembered), the loaded cuDNN's version (0: none), 1 when
 // the backend's forward runs the own SM90 kernel for Dqk 192 / Dv 128 on compute capability 9.0
-// (csrc/cuda/mla_sm90_fwd.cu: built for 9.0a and not turned off by
+// (csrc/mla/sm90/mla_sm90_fwd.cu: built for 9.0a and not turned off by
 // VERL_OPS_VARLEN_FORWARD=cudnn), 1 when its backward runs the own SM90 kernel likewise
-// (csrc/cuda/mla_sm90_bwd.cu; not turned off by VERL_OPS_VARLEN_BACKWARD=cudnn)}. `like` is any CPU tensor (the op needs one tensor argument to
+// (csrc/mla/sm90/mla_sm90_bwd.cu; not turned off by VERL_OPS_VARLEN_BACKWARD=cudnn)}. `like` is any CPU tensor (the op needs one tensor argument to
 // dispatch). `capacity` >= 0 sets the cache's capacity first (-1: unchanged).
 constexpr int64_t kMlaCacheInfoFields = 12;
 Tensor mla_cache_info(const Tensor& like, int64_t capacity);
