@@ -73,6 +73,7 @@ dump() {
       sub(/^[ \t]*\/\*[0-9a-f]+\*\/[ \t]*/, "", line)
       code = line; sub(/[ \t]*\/\* 0x[0-9a-f]+ \*\/[ \t]*$/, "", code); gsub(/[ \t]+/, " ", code)
       print code > sass
+      gsub(/[ \t]+/, " ", line)
       print line > enc
       next
     }
