@@ -32,6 +32,11 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 __device__ __forceinline__ void sts_b32(uint32_t addr, uint32_t v) {
   asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
 }
+// ... without the compiler memory barrier: the backward's dS^T stores, which the compiler may move
+// among other memory accesses (a proxy fence and an mbarrier arrive order them for wgmma).
+__device__ __forceinline__ void sts_b32_unordered(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v));
+}
 __device__ __forceinline__ void sts_f2(uint32_t addr, float2 v) {
   asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(v.x), "f"(v.y) : "memory");
 }

@@ -94,7 +94,10 @@ static_assert(kSmemBytes <= 232448, "shared memory over the 227 KiB an SM90 CTA 
 static_assert(offsetof(SharedStorage, v) % 1024 == 0 && offsetof(SharedStorage, q) % 1024 == 0 &&
                   offsetof(SharedStorage, dout) % 1024 == 0 && offsetof(SharedStorage, ds) % 1024 == 0,
               "TMA boxes and wgmma operands with 128-byte swizzle need 1 KiB alignment");
+static_assert(offsetof(SharedStorage, ds_empty) - offsetof(SharedStorage, kv_full) == 8 * (3 + 2 * kStages),
+              "the mbarriers are consecutive, as Smem::bar indexes them");
 
+// Shared addresses of the parts of the SharedStorage at `base`.
 struct Smem {
   uint32_t base;
   __device__ __forceinline__ uint32_t k() const { return base + VERL_OPS_SMEM_OFFSET(SharedStorage, k); }
@@ -111,19 +114,15 @@ struct Smem {
   __device__ __forceinline__ uint32_t lse_d(int s) const {
     return base + VERL_OPS_SMEM_OFFSET(SharedStorage, lse_d) + s * kBM * 8;
   }
-  __device__ __forceinline__ uint32_t kv_full() const { return base + VERL_OPS_SMEM_OFFSET(SharedStorage, kv_full); }
-  __device__ __forceinline__ uint32_t full(int s) const {
-    return base + VERL_OPS_SMEM_OFFSET(SharedStorage, full) + 8 * s;
+  // The mbarriers, by their index in SharedStorage (kv_full is 0): bar(i) = the first + 8 i.
+  __device__ __forceinline__ uint32_t bar(int i) const {
+    return base + VERL_OPS_SMEM_OFFSET(SharedStorage, kv_full) + 8 * i;
   }
-  __device__ __forceinline__ uint32_t empty(int s) const {
-    return base + VERL_OPS_SMEM_OFFSET(SharedStorage, empty) + 8 * s;
-  }
-  __device__ __forceinline__ uint32_t ds_full(int b) const {
-    return base + VERL_OPS_SMEM_OFFSET(SharedStorage, ds_full) + 8 * b;
-  }
-  __device__ __forceinline__ uint32_t ds_empty(int b) const {
-    return base + VERL_OPS_SMEM_OFFSET(SharedStorage, ds_empty) + 8 * b;
-  }
+  __device__ __forceinline__ uint32_t kv_full() const { return bar(0); }
+  __device__ __forceinline__ uint32_t full(int s) const { return bar(1 + s); }
+  __device__ __forceinline__ uint32_t empty(int s) const { return bar(1 + kStages + s); }
+  __device__ __forceinline__ uint32_t ds_full(int b) const { return bar(1 + 2 * kStages + b); }
+  __device__ __forceinline__ uint32_t ds_empty(int b) const { return bar(3 + 2 * kStages + b); }
 };
 
 }  // namespace bwd

@@ -30,12 +30,13 @@ __device__ __forceinline__ int clamp_len(const int32_t* cu, int b, int64_t rows)
 }
 
 // The rank (in the schedule's order) of the sequence that tile `tile` belongs to: the last rank
-// whose first tile is at most `tile` (binary search over tile_prefix).
-__device__ __forceinline__ int rank_of_tile(const int32_t* tile_prefix, int batch, int tile) {
-  int lo = 0, hi = batch - 1;
+// whose first tile is at most `tile` (binary search over p.tile_prefix, of either kernel's Params).
+template <class Params>
+__device__ __forceinline__ int rank_of_tile(const Params& p, int tile) {
+  int lo = 0, hi = p.batch - 1;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
-    if (tile_prefix[mid] <= tile) lo = mid; else hi = mid - 1;
+    if (p.tile_prefix[mid] <= tile) lo = mid; else hi = mid - 1;
   }
   return lo;
 }
@@ -121,7 +122,7 @@ struct TileInfo {
 // the query tiles from the last (most keys under a causal mask) down, so the tiles that run at
 // the same time share their K / V in L2.
 __device__ __forceinline__ TileInfo decode_tile(const Params& p, int tile) {
-  const int rank = rank_of_tile(p.tile_prefix, p.batch, tile);
+  const int rank = rank_of_tile(p, tile);
   const int b = p.order[rank];
   const int local = tile - p.tile_prefix[rank];
   TileInfo ti;
@@ -204,7 +205,7 @@ struct Tile {
 };
 
 __device__ __forceinline__ Tile decode_tile(const Params& p, int tile) {
-  const int rank = rank_of_tile(p.tile_prefix, p.batch, tile);
+  const int rank = rank_of_tile(p, tile);
   const int b = p.order[rank];
   const int local = tile - p.tile_prefix[rank];
   Tile w;
