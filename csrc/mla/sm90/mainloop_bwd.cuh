@@ -229,11 +229,11 @@ struct Mainloop {
           for (int e = 0; e < 2; ++e) {
             const int c = cc * 8 + 2 * (lane % 4) + e;
             const float l2 = __uint_as_float(e ? ldv.z : ldv.x);
-            float pa = ex2(fmaf(sacc[4 * cc + e], sl2, -l2));
-            float pb = ex2(fmaf(sacc[4 * cc + 2 + e], sl2, -l2));
+            float pa = prob_from_lse(sacc[4 * cc + e], sl2, l2);
+            float pb = prob_from_lse(sacc[4 * cc + 2 + e], sl2, l2);
             if constexpr (kMasked) {
               const int qi = q0 + c;
-              const int lim = decltype(causal_c)::value ? min(lk, qi + shift + 1) : lk;
+              const int lim = key_limit<decltype(causal_c)::value>(qi, lk, shift);
               if (qi >= lq || key_a >= lim) pa = 0.f;
               if (qi >= lq || key_b >= lim) pb = 0.f;
             }

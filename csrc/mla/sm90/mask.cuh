@@ -41,12 +41,11 @@ __device__ __forceinline__ void mask_scores(float (&sacc)[64], const Params& p, 
 
 namespace bwd {
 
-// Whether query qi (in the sequence) sees key `key`: inside the sequence and, causal_c true, on or
-// below the diagonal.
+// The first key that query row qi (in the sequence) does not see: lk, or under a causal mask
+// min(lk, qi + shift + 1). A row past the sequence's end (qi >= lq) sees none.
 template <bool kCausal>
-__device__ __forceinline__ bool key_seen(int qi, int key, int lq, int lk, int shift) {
-  const int lim = kCausal ? min(lk, qi + shift + 1) : lk;
-  return !(qi >= lq || key >= lim);
+__device__ __forceinline__ int key_limit(int qi, int lk, int shift) {
+  return kCausal ? min(lk, qi + shift + 1) : lk;
 }
 
 }  // namespace bwd

@@ -33,7 +33,7 @@ __device__ __forceinline__ int clamp_len(const int32_t* cu, int b, int64_t rows)
 // whose first tile is at most `tile` (binary search over p.tile_prefix, of either kernel's Params).
 template <class Params>
 __device__ __forceinline__ int rank_of_tile(const Params& p, int tile) {
-  int lo = 0, hi = p.batch - 1;
+  int hi = p.batch - 1, lo = 0;
   while (lo < hi) {
     const int mid = (lo + hi + 1) / 2;
     if (p.tile_prefix[mid] <= tile) lo = mid; else hi = mid - 1;
