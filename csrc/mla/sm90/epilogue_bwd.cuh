@@ -13,9 +13,6 @@
 #include <type_traits>
 
 #include "named_barriers.h"
-#include "params.h"
-#include "ptx.cuh"
-#include "shared_storage.h"
 #include "tile_scheduler.cuh"
 
 namespace verl_ops {

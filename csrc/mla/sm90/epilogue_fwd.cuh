@@ -11,9 +11,6 @@
 #include <cstdint>
 
 #include "named_barriers.h"
-#include "params.h"
-#include "ptx.cuh"
-#include "shared_storage.h"
 #include "softmax.cuh"
 #include "tile_scheduler.cuh"
 

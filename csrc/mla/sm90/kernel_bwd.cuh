@@ -9,15 +9,10 @@
 
 #include <cuda.h>
 
-#include <cstddef>
 #include <cstdint>
 
 #include "epilogue_bwd.cuh"
 #include "mainloop_bwd.cuh"
-#include "params.h"
-#include "ptx.cuh"
-#include "shared_storage.h"
-#include "tile_scheduler.cuh"
 
 namespace verl_ops {
 namespace cuda {

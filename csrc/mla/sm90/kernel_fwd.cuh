@@ -13,12 +13,6 @@
 
 #include "epilogue_fwd.cuh"
 #include "mainloop_fwd.cuh"
-#include "params.h"
-#include "ptx.cuh"
-#include "shared_storage.h"
-#include "softmax.cuh"
-#include "tile_scheduler.cuh"
-#include "trace.cuh"
 
 namespace verl_ops {
 namespace cuda {

@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 #include <mutex>
 
 namespace verl_ops {
@@ -75,6 +77,13 @@ bool sm90_device_supported(int device) {
   return k == 2;
 }
 
+// Whether the environment variable `name` (VERL_OPS_VARLEN_FORWARD / _BACKWARD) asks for cuDNN's
+// kernels instead of these.
+bool env_selects_cudnn(const char* name) {
+  const char* env = std::getenv(name);
+  return env != nullptr && std::strcmp(env, "cudnn") == 0;
+}
+
 int sm_count() {
   int dev = 0, n = 0;
   if (cudaGetDevice(&dev) != cudaSuccess ||
@@ -83,6 +92,23 @@ int sm_count() {
     return 132;
   }
   return n;
+}
+
+// The Params fields both kernels share (fwd::Params, bwd::Params), from their launch arguments
+// (Sm90FwdArgs, Sm90BwdArgs).
+template <class Params, class Args>
+void set_shared_params(Params& p, const Args& a) {
+  p.cu_q = a.cu_q;
+  p.cu_kv = a.cu_kv;
+  p.tq = a.tq;
+  p.tk = a.tk;
+  p.hq = static_cast<int>(a.hq);
+  p.hk = static_cast<int>(a.hk);
+  p.batch = static_cast<int>(a.batch);
+  p.scale = a.scale;
+  p.scale_log2 = a.scale * 1.4426950408889634f;
+  p.causal = a.causal ? 1 : 0;
+  p.bottom_right = a.bottom_right ? 1 : 0;
 }
 
 // Lets kKernel use `bytes` of dynamic shared memory on the current device, once per device

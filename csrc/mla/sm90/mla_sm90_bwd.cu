@@ -41,16 +41,11 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "kernel_bwd.cuh"
 #include "launch.h"
 #include "mla_sm90_fwd.h"
-#include "params.h"
 #include "prepost_bwd.cuh"
-#include "shared_storage.h"
-#include "tile_scheduler.cuh"
 
 namespace verl_ops {
 namespace cuda {
@@ -95,10 +90,7 @@ cudaError_t launch_bwd(const Sm90BwdArgs& a, bwd::Params& p, cudaStream_t stream
 bool sm90_backward_enabled() {
   // On by default (on an H200 it is 1.02-1.14x cuDNN's backward at the op level, see
   // benchmarks/RESULTS.md); VERL_OPS_VARLEN_BACKWARD=cudnn keeps cuDNN's backward plan.
-  static const bool enabled = [] {
-    const char* env = std::getenv("VERL_OPS_VARLEN_BACKWARD");
-    return sm90_forward_compiled() && !(env != nullptr && std::strcmp(env, "cudnn") == 0);
-  }();
+  static const bool enabled = sm90_forward_compiled() && !env_selects_cudnn("VERL_OPS_VARLEN_BACKWARD");
   return enabled;
 }
 
@@ -123,21 +115,11 @@ cudaError_t launch_sm90_backward(const Sm90BwdArgs& a, cudaStream_t stream) {
   schedule_kernel<bwd::kBN><<<1, kScheduleThreads, 0, stream>>>(
       a.cu_kv, a.tk, static_cast<int>(a.batch), static_cast<int>(a.hk), a.workspace,
       a.workspace + a.batch, a.workspace + 2 * a.batch + 1);
-  p.cu_q = a.cu_q;
-  p.cu_kv = a.cu_kv;
   p.lse_d = a.lse_d;
   p.dq_accum = a.dq_accum;
   p.dk = a.dk;
   p.dv = a.dv;
-  p.tq = a.tq;
-  p.tk = a.tk;
-  p.hq = static_cast<int>(a.hq);
-  p.hk = static_cast<int>(a.hk);
-  p.batch = static_cast<int>(a.batch);
-  p.scale = a.scale;
-  p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.causal = a.causal ? 1 : 0;
-  p.bottom_right = a.bottom_right ? 1 : 0;
+  set_shared_params(p, a);
   return a.half ? launch_bwd<true>(a, p, stream) : launch_bwd<false>(a, p, stream);
 }
 

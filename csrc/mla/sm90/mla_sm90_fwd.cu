@@ -20,15 +20,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 
 #include "kernel_fwd.cuh"
 #include "launch.h"
-#include "params.h"
-#include "shared_storage.h"
-#include "tile_scheduler.cuh"
-#include "trace.cuh"
 
 namespace verl_ops {
 namespace cuda {
@@ -74,10 +68,7 @@ bool sm90_forward_compiled() {
 }
 
 bool sm90_forward_enabled() {
-  static const bool enabled = [] {
-    const char* env = std::getenv("VERL_OPS_VARLEN_FORWARD");
-    return sm90_forward_compiled() && !(env != nullptr && std::strcmp(env, "cudnn") == 0);
-  }();
+  static const bool enabled = sm90_forward_compiled() && !env_selects_cudnn("VERL_OPS_VARLEN_FORWARD");
   return enabled;
 }
 
@@ -96,19 +87,9 @@ cudaError_t launch_sm90_forward(const Sm90FwdArgs& a, cudaStream_t stream) {
   schedule_kernel<fwd::kBM><<<1, kScheduleThreads, 0, stream>>>(
       a.cu_q, a.tq, static_cast<int>(a.batch), static_cast<int>(a.hq), a.workspace,
       a.workspace + a.batch, p.counter);
-  p.cu_q = a.cu_q;
-  p.cu_kv = a.cu_kv;
   p.out = a.out;
   p.lse = a.lse;
-  p.tq = a.tq;
-  p.tk = a.tk;
-  p.hq = static_cast<int>(a.hq);
-  p.hk = static_cast<int>(a.hk);
-  p.batch = static_cast<int>(a.batch);
-  p.scale = a.scale;
-  p.scale_log2 = a.scale * 1.4426950408889634f;
-  p.causal = a.causal ? 1 : 0;
-  p.bottom_right = a.bottom_right ? 1 : 0;
+  set_shared_params(p, a);
   return a.half ? launch<true>(a, p, stream) : launch<false>(a, p, stream);
 }
 
