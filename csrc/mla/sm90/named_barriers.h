@@ -31,7 +31,7 @@ enum class BwdBarrier : int {
 };
 
 template <class Barrier>
-constexpr int barrier_id(Barrier b) {
+__host__ __device__ constexpr int barrier_id(Barrier b) {
   return static_cast<int>(b);
 }
 
