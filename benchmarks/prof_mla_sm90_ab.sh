@@ -8,9 +8,11 @@
 # that fails a check (or crashes, or hangs past RUN_S) is reported and not timed.
 #
 #   bash benchmarks/prof_mla_sm90_ab.sh NAME=SOURCE[@NVCC_FLAGS] ...
-#   e.g. bash benchmarks/prof_mla_sm90_ab.sh base=/tmp/old_fwd.cu new=csrc/mla/sm90/mla_sm90_fwd.cu \
-#          "nofence=csrc/mla/sm90/mla_sm90_fwd.cu@-DVERL_OPS_SM90_NO_SOFTMAX_FENCE"
-# (a SOURCE outside csrc/mla/sm90 finds mla_sm90_fwd.h through -I csrc/mla/sm90).
+#   e.g. git archive main csrc | tar -x -C /tmp/base   (a variant: a whole copy of the sources)
+#        bash benchmarks/prof_mla_sm90_ab.sh base=/tmp/base/csrc/mla/sm90/mla_sm90_fwd.cu \
+#          new=csrc/mla/sm90/mla_sm90_fwd.cu "nofence=csrc/mla/sm90/mla_sm90_fwd.cu@-DVERL_OPS_SM90_NO_SOFTMAX_FENCE"
+# (a SOURCE includes the headers of its own folder, the kernel's pieces; a lone file elsewhere finds
+# mla_sm90_fwd.h through -I csrc/mla/sm90).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/ab_lib.sh
