@@ -7,6 +7,8 @@
 # split by role, csrc/cuda/) and of the working tree with setup.py's nvcc flags for sm_90a, dumps
 # the SASS of every kernel (cuobjdump -sass) and compares, kernel by kernel:
 #   instructions  the SASS text without the address comments;
+#   registers     where the instructions differ: how many lines still differ once register
+#                 numbers are ignored (0: the same code with other register names);
 #   encodings     the same plus each instruction's 128-bit encoding (scheduling control bits:
 #                 stall counts, barriers, yields), i.e. the machine code itself;
 #   resources     registers, shared / local / constant memory (cuobjdump -res-usage).
@@ -110,7 +112,7 @@ build tree "$ROOT"
 
 status=0
 for f in "$OUT"/rev/*.sass "$OUT"/tree/*.sass; do basename "$f" .sass; done | sort -u > "$OUT/kernels"
-printf '%-48s %7s  %-12s %-10s %-10s %s\n' kernel instrs instructions encodings resources "registers (rev -> tree)"
+printf '%-48s %7s  %-12s %-10s %-10s %-10s %s\n' kernel instrs instructions registers encodings resources "REG (rev -> tree)"
 while read -r k; do
   a="$OUT/rev/$k" b="$OUT/tree/$k"
   if [ ! -f "$a.sass" ] || [ ! -f "$b.sass" ]; then
@@ -118,8 +120,10 @@ while read -r k; do
   fi
   same() { cmp -s "$1" "$2" && echo same || { status=1; echo DIFFERENT; }; }
   reg() { grep -o 'REG:[0-9]*' "$1" | cut -d: -f2; }
-  printf '%-48s %7s  %-12s %-10s %-10s %s -> %s\n' "$k" "$(wc -l < "$b.sass")" "$(same "$a.sass" "$b.sass")" \
-    "$(same "$a.enc" "$b.enc")" "$(same "$a.res" "$b.res")" "$(reg "$a.res")" "$(reg "$b.res")"
+  noreg() { sed -E 's/\bU?R[0-9]+\b/R/g; s/\bU?P[0-6]\b/P/g; s/\.reuse//g' "$1"; }
+  if cmp -s "$a.sass" "$b.sass"; then regs=-; else regs="$(diff <(noreg "$a.sass") <(noreg "$b.sass") | grep -c '^[<>]' || true)"; fi
+  printf '%-48s %7s  %-12s %-10s %-10s %-10s %s -> %s\n' "$k" "$(wc -l < "$b.sass")" "$(same "$a.sass" "$b.sass")" \
+    "$regs" "$(same "$a.enc" "$b.enc")" "$(same "$a.res" "$b.res")" "$(reg "$a.res")" "$(reg "$b.res")"
   cmp -s "$a.enc" "$b.enc" || diff "$a.enc" "$b.enc" > "$OUT/$k.diff" || true
 done < "$OUT/kernels"
 [ "$status" = 0 ] || echo "check_sass: differences (diff -u $OUT/rev/KERNEL.sass $OUT/tree/KERNEL.sass; encodings: $OUT/KERNEL.diff)"
