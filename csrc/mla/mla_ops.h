@@ -3,6 +3,11 @@
 // implementation here (mla_ops.cpp), CUDA in mla_ops_cuda.cpp. The fake (Meta) kernels live in
 // Python (verl_ops/_fake.py) and mirror the checks and the layout rule below.
 //
+// This folder holds the whole op: mla.h (index rules shared by the kernels), the host dispatch
+// (mla_ops*.cpp), cpu/ (the float reference), cuda/ (the pad kernel of the padded backend),
+// cudnn/ (the varlen backend: cuDNN frontend graphs and their metadata kernels) and sm90/ (the
+// varlen backend's own Hopper forward and backward for Dqk 192 / Dv 128).
+//
 // Output layout rule (what the fake kernels must mirror):
 //   backend = resolve_mla_backend(...)  (a function of the shapes, causal, shares_offsets and,
 //             for backend=auto, varlen_auto: whether the build has the varlen backend and q's
