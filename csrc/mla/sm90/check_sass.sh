@@ -122,7 +122,8 @@ while read -r k; do
   if [ ! -f "$a.sass" ] || [ ! -f "$b.sass" ]; then
     echo "$k: only in $([ -f "$a.sass" ] && echo "$REV" || echo "the working tree")"; status=1; continue
   fi
-  same() { cmp -s "$1" "$2" && echo same || { status=1; echo DIFFERENT; }; }
+  same() { cmp -s "$1" "$2" && echo same || echo DIFFERENT; }
+  cmp -s "$a.enc" "$b.enc" && cmp -s "$a.res" "$b.res" || status=1
   reg() { grep -o 'REG:[0-9]*' "$1" | cut -d: -f2; }
   noreg() { sed -E 's/\bU?R[0-9]+\b/R/g; s/\bU?P[0-6]\b/P/g; s/\.reuse//g' "$1"; }
   if cmp -s "$a.sass" "$b.sass"; then regs=-; else regs="$(diff <(noreg "$a.sass") <(noreg "$b.sass") | grep -c '^[<>]' || true)"; fi
