@@ -75,8 +75,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Consumers.
   setmaxnreg_inc<232>();
   // The state a consumer thread carries from tile to tile. Declared in this order and passed by
-  // reference (not held in the Mainloop), so that the kernel compiles to the same SASS as the
-  // single-function kernel it was split from (csrc/mla/sm90/check_sass.sh).
+  // reference (not held in the Mainloop), so that the consumers compile to the same SASS as in
+  // the single-function kernel this was split from (csrc/mla/sm90/check_sass.sh).
   float o[64];
   float sacc[64];
   uint32_t pa[8][4];
