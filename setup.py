@@ -125,7 +125,7 @@ def _torch_at_least(major, minor):
 
 # The varlen backend: the one translation unit that includes the cuDNN frontend (slow to compile),
 # and the frontend's minimum version (the API it is written against).
-CUDNN_FE_SOURCE = os.path.join("csrc", "cuda", "mla_cudnn_varlen.cpp")
+CUDNN_FE_SOURCE = os.path.join("csrc", "mla", "cudnn", "mla_cudnn_varlen.cpp")
 CUDNN_FE_MIN_VERSION = (1, 32)
 
 
@@ -212,7 +212,7 @@ def _find_cudnn_frontend():
 def _hopper_arch_list():
     """Rewrites a bare "9.0" in TORCH_CUDA_ARCH_LIST to "9.0a" and says whether the list has 9.0a:
     compute capability 9.0 is H100 / H200 / GH200 only, every one of which runs sm_90a code, and
-    csrc/cuda/mla_sm90_fwd.cu needs the "a" features (wgmma, setmaxnreg)."""
+    the kernels of csrc/mla/sm90/ need the "a" features (wgmma, setmaxnreg)."""
     entries = [e for e in re.split(r"[;\s]+", os.environ.get("TORCH_CUDA_ARCH_LIST", "")) if e]
     rewritten = []
     for e in ("9.0a" if e == "9.0" else e for e in entries):
@@ -256,6 +256,51 @@ def _make(name, sources, target, with_cuda, std, link_args, cudnn_fe_includes=No
     )
 
 
+# verl_ops._C: every op. Its CPU part (always built): the bindings, and per op family the ATen-facing
+# functions and CPU kernels; csrc/mla/ holds the whole MLA op (host dispatch, cpu/, cuda/, cudnn/,
+# sm90/). Patterns relative to the repository root; "!" excludes.
+MAIN_CPU_SOURCES = ["csrc/*.cpp", "csrc/cpu/*.cpp", "csrc/ops/*.cpp", "!csrc/ops/*_cuda.cpp",
+                    "csrc/mla/*.cpp", "!csrc/mla/*_cuda.cpp", "csrc/mla/cpu/*.cpp"]
+# ... and its CUDA part (CUDNN_FE_SOURCE is added apart, when the cuDNN frontend is found).
+MAIN_CUDA_SOURCES = ["csrc/ops/*_cuda.cpp", "csrc/cuda/*.cu", "csrc/mla/*_cuda.cpp", "csrc/mla/cuda/*.cu",
+                     "csrc/mla/cudnn/*.cu", "csrc/mla/sm90/*.cu"]
+# verl_ops._C_layers: its bindings and the router op they share with _C, compiled again at this
+# library's own stable-ABI target (see _BuildExtension for why that needs no copies of the files).
+LAYERS_CPU_SOURCES = ["csrc/layers/router_layers.cpp", "csrc/ops/router_ops.cpp", "csrc/cpu/router_kernels.cpp"]
+LAYERS_CUDA_SOURCES = ["csrc/ops/router_ops_cuda.cpp", "csrc/cuda/router_kernels.cu"]
+
+
+def _sources(patterns):
+    """The files the patterns match (in order, each pattern's sorted), less those a "!" pattern matches."""
+    excluded = {p for pat in patterns if pat.startswith("!") for p in glob.glob(pat[1:])}
+    found = []
+    for pat in patterns:
+        if not pat.startswith("!"):
+            found += [p for p in sorted(glob.glob(pat)) if p not in excluded and p not in found]
+    return found
+
+
+class _BuildExtension(cpp_extension.BuildExtension):
+    """torch's BuildExtension, building each extension's objects in a folder of its own.
+
+    setuptools names an object file after its source path alone, in one build folder for all
+    extensions; verl_ops._C_layers compiles some of _C's sources again with another
+    TORCH_TARGET_VERSION, and the two builds would overwrite each other's objects. Extensions
+    are then built one at a time (build_temp is switched per extension)."""
+
+    def finalize_options(self):
+        super().finalize_options()
+        self.parallel = None
+
+    def build_extension(self, ext):
+        build_temp = self.build_temp
+        self.build_temp = os.path.join(build_temp, ext.name)
+        try:
+            super().build_extension(ext)
+        finally:
+            self.build_temp = build_temp
+
+
 def _extensions():
     """verl_ops._C (every op, stable ABI target 2.9) and, built against torch >= 2.10,
     verl_ops._C_layers (router_topk_record over a list of tensors: list arguments need target 2.10)."""
@@ -274,18 +319,12 @@ def _extensions():
         # strictly.
         link_args = link_args + ["-Wl,--allow-multiple-definition"]
     print(f"verl_ops: building against torch {torch.__version__} with -std={std}, stable ABI target 2.9")
-    main = sorted(
-        glob.glob(os.path.join("csrc", "*.cpp"))
-        + glob.glob(os.path.join("csrc", "cpu", "*.cpp"))
-        + [p for p in glob.glob(os.path.join("csrc", "ops", "*.cpp")) if not p.endswith("_cuda.cpp")]
-    )
-    layers = [os.path.join("csrc", "layers", f) for f in ("router_layers.cpp", "router_ops_layers.cpp",
-                                                          "router_kernels_cpu_layers.cpp")]
+    main = _sources(MAIN_CPU_SOURCES)
+    layers = list(LAYERS_CPU_SOURCES)
     cudnn_fe_includes = None
     if with_cuda:
-        main += sorted(glob.glob(os.path.join("csrc", "ops", "*_cuda.cpp")))
-        main += sorted(glob.glob(os.path.join("csrc", "cuda", "*.cu")))
-        layers += [os.path.join("csrc", "layers", f) for f in ("router_ops_cuda_layers.cpp", "router_kernels_layers.cu")]
+        main += _sources(MAIN_CUDA_SOURCES)
+        layers += LAYERS_CUDA_SOURCES
         cudnn_fe_includes = _find_cudnn_frontend()
         if cudnn_fe_includes:
             main.append(CUDNN_FE_SOURCE)
@@ -309,5 +348,5 @@ setup(
     version=f"{VERSION}+{_local_version(_WITH_CUDA)}",
     ext_modules=_EXTS,
     options={"bdist_wheel": {"py_limited_api": "cp310"}},
-    cmdclass={"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=True)},
+    cmdclass={"build_ext": _BuildExtension.with_options(use_ninja=True)},
 )

@@ -1,4 +1,4 @@
-// Standalone check and timing of the SM90 forward kernel (csrc/cuda/mla_sm90_fwd.cu) without torch:
+// Standalone check and timing of the SM90 forward kernel (csrc/mla/sm90/mla_sm90_fwd.cu) without torch:
 // random bf16 q/k/v over the given lengths,
 // a naive fp32 reference (thread per row and head), max errors, then TFLOP/s (causal: L(L+1)/2
 // pairs per sequence). Usage: prof_mla_sm90 HEADS CAUSAL CHECK ITERS (LENGTHS... | rl SEED);
@@ -11,7 +11,7 @@
 #include <random>
 #include <string>
 #include <algorithm>
-#include "../csrc/cuda/mla_sm90_fwd.h"
+#include "../csrc/mla/sm90/mla_sm90_fwd.h"
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SM90 forward kernel on its own (no torch, no build of the package): nvcc builds
-# benchmarks/prof_mla_sm90.cu with csrc/cuda/mla_sm90_fwd.cu (extra nvcc flags: NVCC_FLAGS, e.g.
+# benchmarks/prof_mla_sm90.cu with csrc/mla/sm90/mla_sm90_fwd.cu (extra nvcc flags: NVCC_FLAGS, e.g.
 # -D macros of an experiment), checks it against a naive fp32 reference on edge lengths, grouped
 # heads and a ragged batch, then times forward TFLOP/s on an RL-like lognormal batch (16 and 128
 # heads), 4 x 4096 (causal and full), 1 x 16384 and 64 short sequences. TRACE=1 adds where a
@@ -13,7 +13,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="${BIN:-/tmp/prof_mla_sm90}"
 nvcc -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -DVERL_OPS_HAS_SM90A ${NVCC_FLAGS:-} \
-  benchmarks/prof_mla_sm90.cu csrc/cuda/mla_sm90_fwd.cu -o "$BIN" || exit 1
+  benchmarks/prof_mla_sm90.cu csrc/mla/sm90/mla_sm90_fwd.cu -o "$BIN" || exit 1
 nvidia-smi --query-gpu=name --format=csv,noheader
 SHORT=$(python3 -c "import random; random.seed(1); print(' '.join(str(random.randint(64, 1024)) for _ in range(64)))")
 "$BIN" 2 1 1 0 1 2 127 128 129 300 1000 | grep CHECK
@@ -27,7 +27,7 @@ done
 if [ "${TRACE:-0}" = 1 ]; then
   # Where a tile's time goes: a build with clock64 stamps (-DVERL_OPS_SM90_TRACE), one launch per batch.
   nvcc -std=c++17 -O3 -gencode arch=compute_90a,code=sm_90a -DVERL_OPS_HAS_SM90A -DVERL_OPS_SM90_TRACE ${NVCC_FLAGS:-} \
-    benchmarks/prof_mla_sm90.cu csrc/cuda/mla_sm90_fwd.cu -o "$BIN.trace" || exit 1
+    benchmarks/prof_mla_sm90.cu csrc/mla/sm90/mla_sm90_fwd.cu -o "$BIN.trace" || exit 1
   for args in "16 1 0 0 rl 7" "128 1 0 0 rl 7" "16 1 0 0 16384" "16 1 0 0 $SHORT"; do
     set -- $args
     echo "trace: heads $1 causal $2 $(echo "${@:5}" | cut -c1-40)"

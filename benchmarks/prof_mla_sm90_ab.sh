@@ -8,9 +8,11 @@
 # that fails a check (or crashes, or hangs past RUN_S) is reported and not timed.
 #
 #   bash benchmarks/prof_mla_sm90_ab.sh NAME=SOURCE[@NVCC_FLAGS] ...
-#   e.g. bash benchmarks/prof_mla_sm90_ab.sh base=/tmp/old_fwd.cu new=csrc/cuda/mla_sm90_fwd.cu \
-#          "nofence=csrc/cuda/mla_sm90_fwd.cu@-DVERL_OPS_SM90_NO_SOFTMAX_FENCE"
-# (a SOURCE outside csrc/cuda finds mla_sm90_fwd.h through -I csrc/cuda).
+#   e.g. git archive main csrc | tar -x -C /tmp/base   (a variant: a whole copy of the sources)
+#        bash benchmarks/prof_mla_sm90_ab.sh base=/tmp/base/csrc/mla/sm90/mla_sm90_fwd.cu \
+#          new=csrc/mla/sm90/mla_sm90_fwd.cu "nofence=csrc/mla/sm90/mla_sm90_fwd.cu@-DVERL_OPS_SM90_NO_SOFTMAX_FENCE"
+# (a SOURCE includes the headers of its own folder, the kernel's pieces; a lone file elsewhere finds
+# mla_sm90_fwd.h through -I csrc/mla/sm90).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/ab_lib.sh
@@ -25,7 +27,7 @@ for spec in "$@"; do
   src="${rest%%@*}"; flags=""
   [ "$rest" != "$src" ] && flags="${rest#*@}"
   names+=("$name")
-  nvcc -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -DVERL_OPS_HAS_SM90A -I csrc/cuda $flags \
+  nvcc -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -DVERL_OPS_HAS_SM90A -I csrc/mla/sm90 $flags \
     benchmarks/prof_mla_sm90.cu "$src" -o "$DIR/$name" > "$DIR/$name.build.log" 2>&1 &
 done
 wait

@@ -1,5 +1,5 @@
-// Standalone check and timing of the SM90 backward kernel (csrc/cuda/mla_sm90_bwd.cu) without
-// torch: random bf16 q/k/v/dO over the given lengths, the forward of csrc/cuda/mla_sm90_fwd.cu for
+// Standalone check and timing of the SM90 backward kernel (csrc/mla/sm90/mla_sm90_bwd.cu) without
+// torch: random bf16 q/k/v/dO over the given lengths, the forward of csrc/mla/sm90/mla_sm90_fwd.cu for
 // O and the log-sum-exp, then the backward against a naive fp32 reference (dQ: a thread per row
 // and head; dK / dV: a thread per key and kv head), max errors relative to each reference's
 // largest entry, then the backward's TFLOP/s (causal: L(L+1)/2 pairs per sequence, 2 * 832 FLOPs
@@ -13,8 +13,8 @@
 #include <random>
 #include <string>
 #include <algorithm>
-#include "../csrc/cuda/mla_sm90_fwd.h"
-#include "../csrc/cuda/mla_sm90_bwd.h"
+#include "../csrc/mla/sm90/mla_sm90_fwd.h"
+#include "../csrc/mla/sm90/mla_sm90_bwd.h"
 
 #define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The SM90 backward kernel on its own (no torch, no build of the package): nvcc builds
-# benchmarks/prof_mla_sm90_bwd.cu with csrc/cuda/mla_sm90_bwd.cu and the forward (for O and the
+# benchmarks/prof_mla_sm90_bwd.cu with csrc/mla/sm90/mla_sm90_bwd.cu and the forward (for O and the
 # log-sum-exp), checks dQ / dK / dV against a naive fp32 reference on edge lengths (causal, and
 # non-causal with empty sequences), grouped heads and a ragged batch, then times the backward on
 # an RL-like lognormal batch (16 and 128 heads), 4 x 4096, 1 x 16384 and 64 short sequences.
@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 BIN="${BIN:-/tmp/prof_mla_sm90_bwd}"
 nvcc -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -DVERL_OPS_HAS_SM90A ${NVCC_FLAGS:-} \
-  benchmarks/prof_mla_sm90_bwd.cu csrc/cuda/mla_sm90_bwd.cu csrc/cuda/mla_sm90_fwd.cu -o "$BIN" || exit 1
+  benchmarks/prof_mla_sm90_bwd.cu csrc/mla/sm90/mla_sm90_bwd.cu csrc/mla/sm90/mla_sm90_fwd.cu -o "$BIN" || exit 1
 nvidia-smi --query-gpu=name --format=csv,noheader
 RUN_S="${RUN_S:-20}"
 checks=("2 1 1 0 1 2 127 128 129 300 1000" "3 0 1 0 0 5 300 0 77" "2 1 1 0 64 65 200 513")

@@ -7,7 +7,10 @@
 # A variant that fails a check (or crashes, or hangs past RUN_S) is reported and not timed.
 #
 #   bash benchmarks/prof_mla_sm90_bwd_ab.sh NAME=SOURCE[@NVCC_FLAGS] ...
-#   e.g. bash benchmarks/prof_mla_sm90_bwd_ab.sh base=/tmp/old_bwd.cu new=csrc/cuda/mla_sm90_bwd.cu
+#   e.g. git archive main csrc | tar -x -C /tmp/base   (a variant: a whole copy of the sources)
+#        bash benchmarks/prof_mla_sm90_bwd_ab.sh base=/tmp/base/csrc/mla/sm90/mla_sm90_bwd.cu \
+#          new=csrc/mla/sm90/mla_sm90_bwd.cu
+# (a SOURCE includes the headers of its own folder; the forward is always this tree's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source benchmarks/ab_lib.sh
@@ -22,8 +25,8 @@ for spec in "$@"; do
   src="${rest%%@*}"; flags=""
   [ "$rest" != "$src" ] && flags="${rest#*@}"
   names+=("$name")
-  nvcc -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -DVERL_OPS_HAS_SM90A -I csrc/cuda $flags \
-    benchmarks/prof_mla_sm90_bwd.cu "$src" csrc/cuda/mla_sm90_fwd.cu -o "$DIR/$name" > "$DIR/$name.build.log" 2>&1 &
+  nvcc -std=c++17 -O3 -lineinfo -gencode arch=compute_90a,code=sm_90a -DVERL_OPS_HAS_SM90A -I csrc/mla/sm90 $flags \
+    benchmarks/prof_mla_sm90_bwd.cu "$src" csrc/mla/sm90/mla_sm90_fwd.cu -o "$DIR/$name" > "$DIR/$name.build.log" 2>&1 &
 done
 wait
 for name in "${names[@]}"; do

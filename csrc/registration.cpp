@@ -5,16 +5,16 @@
 // (as aten's `int reduction`): cp_layout 0 = zigzag, 1 = contiguous; backend 0 = auto,
 // 1 = padded, 2 = native, 3 = varlen. The Python API takes the names. Fake (Meta) kernels and autograd are
 // registered from Python (verl_ops/_fake.py and the op modules).
+#include "mla/mla_ops.h"
 #include "ops/jagged_ops.h"
 #include "ops/merge_ops.h"
-#include "ops/mla_ops.h"
-#include "ops/rope_ops.h"
+#include "mla/rope_ops.h"
 #include "ops/router_ops.h"
 #include "ops/stable.h"
 #include "ops/thd_ops.h"
 
 STABLE_TORCH_LIBRARY(verl_ops, m) {
-  // Layout rules (OPS.md section 1) from per-sequence lengths (CPU). Returns int32 cu_seqlens
+  // Layout rules (docs/layout.md#rules) from per-sequence lengths (CPU). Returns int32 cu_seqlens
   // and cu_seqlens_padded, each [B + 1].
   m.def(
       "thd_layout(Tensor lengths, int tp_size=1, int cp_size=1, int cp_layout=0, "
@@ -54,7 +54,7 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
       "int feature_hash, int row_bytes, int key_hash, int local_cp_size) -> Tensor");
   m.def("dynamic_cp_merge_index(Tensor header, int num_samples, bool validate=True) -> (Tensor buf, Tensor cu_seqlens)");
 
-  // --- router replay (OPS.md section 4) ---
+  // --- router replay (docs/router_replay.md) ---
   // Record: L layers of top-k indices [L, T, K] (any integer dtype, any strides; a list of
   // per-layer tensors is passed as one strided view when they share a buffer) -> [T, L, K]
   // int16. With the layout's offsets (tp = cp = 1) the unpack is fused: [total_tokens, L, K], or
@@ -71,7 +71,7 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
       "Tensor? attention_mask=None, Tensor? replay_mask=None) -> (Tensor targets, Tensor replay_mask_packed)");
   // --- end router replay ---
 
-  // --- mla_forward_padded (OPS.md section 6) ---
+  // --- mla_forward_padded (docs/mla.md#semantics) ---
   // THD attention for MLA head dims: q, k [T, H, Dqk], v [Tk, Hk, Dv] with Dv <= Dqk; equal to
   // attention with v zero-padded to Dqk and the output trimmed to Dv. Returns out [Tq, Hq, Dv]
   // and softmax_lse [Hq, Tq] (float32; float64 for float64 inputs). backend: 0 auto, 1 padded,

@@ -1,4 +1,4 @@
-// Router replay (OPS.md section 4): which row feeds which, for the record (merge) and replay
+// Router replay (docs/router_replay.md): which row feeds which, for the record (merge) and replay
 // (scatter) kernels. Shared verbatim by the CPU loops and the CUDA kernels.
 //
 // Record: every MoE layer l recorded top-k indices for this rank's sequence-parallel rows,

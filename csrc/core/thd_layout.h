@@ -131,7 +131,7 @@ VERL_HD int64_t select_kth(const int32_t* csum, int64_t n, int64_t k) {
 }
 
 // ---------------------------------------------------------------------------------------
-// Layout rules (OPS.md section 1). Host only; the results are checked and then shipped to
+// Layout rules (docs/layout.md#rules). Host only; the results are checked and then shipped to
 // the kernels as cu_seqlens / cu_seqlens_padded.
 
 inline int64_t gcd64(int64_t a, int64_t b) {
@@ -165,7 +165,7 @@ struct LayoutParams {
   int64_t pad_to_length_bucket = -1;  // < 0: not set (0 is rejected by the caller)
 };
 
-// Fills padded[i] for every sequence (rules 1-6 of OPS.md section 1); `padded` must have room
+// Fills padded[i] for every sequence (rules 1-6 of docs/layout.md#rules); `padded` must have room
 // for n entries. Returns false when a size overflows int64 (the caller reports it).
 inline bool compute_padded_lengths(const int64_t* lengths, int64_t n, const LayoutParams& p,
                                    int64_t* padded) {

@@ -1,4 +1,4 @@
-// Router replay kernels (OPS.md section 4).
+// Router replay kernels (docs/router_replay.md).
 //
 // Both kernels work on tiles of consecutive output rows, like the THD row kernels: the rows of
 // a tile are resolved once into shared memory (core/router_rows.h, the same functions the CPU

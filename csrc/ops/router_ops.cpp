@@ -3,6 +3,7 @@
 #include <string>
 
 #include "../cpu/router_kernels.h"
+#include "offset_checks.h"
 
 namespace verl_ops {
 namespace ops {
@@ -35,46 +36,11 @@ core::IndexDtype require_index_dtype(const char* op, const char* name, st::Scala
   return d;
 }
 
-// `name` on the data's device (the one device check of the offsets and the masks).
-void check_on_data_device(const char* op, const char* name, const Tensor& t, const Tensor& data) {
-  VERL_CHECK(st::same_device(t, data), op, ": ", name, " is on ", st::device_of(t), " but the data is on ",
-             st::device_of(data));
-}
-
-void check_offsets(const char* op, const char* name, const Tensor& t, const Tensor& data) {
-  VERL_CHECK(t.scalar_type() == st::kInt, op, ": ", name, " must be int32, got ", st::dtype_name(t.scalar_type()));
-  VERL_CHECK(t.dim() == 1 && t.size(0) >= 1, op, ": ", name, " must be 1-D with B + 1 >= 1 entries, got shape ",
-             st::shape_of(t));
-  check_on_data_device(op, name, t, data);
-}
-
-void check_offset_pair(const char* op, const Tensor& cu, const Tensor& cu_padded, const Tensor& data) {
-  check_offsets(op, "cu_seqlens", cu, data);
-  check_offsets(op, "cu_seqlens_padded", cu_padded, data);
-  VERL_CHECK(cu.size(0) == cu_padded.size(0), op, ": cu_seqlens and cu_seqlens_padded must have the same length, got ",
-             cu.size(0), " and ", cu_padded.size(0));
-}
-
-// Consistency of a host layout with itself and with the rows it must cover (device layouts are
-// checked by ThdLayout on its host copy when built: reading them here would synchronise).
+// A host layout against the rows of the data it must cover (offset_checks.h for the rest).
 void check_host_layout(const char* op, const Tensor& cu, const Tensor& cu_padded, int64_t cp_size,
                        core::CpLayout layout, int64_t total_padded) {
-  const int64_t B = cu.size(0) - 1;
-  const int32_t* c = st::ptr<int32_t>(cu);
-  const int32_t* p = st::ptr<int32_t>(cu_padded);
-  VERL_CHECK(c[0] == 0, op, ": cu_seqlens must start at 0, got ", c[0]);
-  VERL_CHECK(p[0] == 0, op, ": cu_seqlens_padded must start at 0, got ", p[0]);
-  for (int64_t i = 0; i < B; ++i) {
-    const int64_t len = static_cast<int64_t>(c[i + 1]) - c[i];
-    const int64_t padded = static_cast<int64_t>(p[i + 1]) - p[i];
-    VERL_CHECK(len >= 0, op, ": cu_seqlens must be non-decreasing, got ", c[i], " then ", c[i + 1], " at index ", i);
-    VERL_CHECK(padded >= len, op, ": cu_seqlens_padded gives sequence ", i, " ", padded, " rows, fewer than its ", len,
-               " tokens");
-    VERL_CHECK(layout != core::CpLayout::kZigzag || cp_size == 1 || padded % (2 * cp_size) == 0, op,
-               ": zigzag with cp_size=", cp_size, " needs every padded length to be a multiple of 2*cp_size, sequence ",
-               i, " has ", padded);
-  }
-  VERL_CHECK(static_cast<int64_t>(p[B]) == total_padded, op, ": cu_seqlens_padded[-1]=", p[B], " does not match the ",
+  const int64_t padded_total = check_host_offsets(op, cu, cu_padded, cp_size, layout);
+  VERL_CHECK(padded_total == total_padded, op, ": cu_seqlens_padded[-1]=", padded_total, " does not match the ",
              total_padded, " packed rows of the data");
 }
 

@@ -1,4 +1,4 @@
-// Router replay ops (OPS.md section 4) on the stable ABI: argument checks, output allocation,
+// Router replay ops (docs/router_replay.md) on the stable ABI: argument checks, output allocation,
 // dispatch.
 #pragma once
 

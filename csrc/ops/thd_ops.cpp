@@ -4,54 +4,19 @@
 #include <vector>
 
 #include "../cpu/thd_kernels.h"
+#include "offset_checks.h"
 
 namespace verl_ops {
 namespace ops {
 
 namespace {
 
-void check_offsets_tensor(const char* op, const char* name, const Tensor& t, const Tensor& like) {
-  VERL_CHECK(t.scalar_type() == st::kInt, op, ": ", name, " must be int32, got ",
-             st::dtype_name(t.scalar_type()));
-  VERL_CHECK(t.dim() == 1 && t.size(0) >= 1, op, ": ", name,
-             " must be 1-D with B + 1 >= 1 entries, got shape ", st::shape_of(t));
-  VERL_CHECK(st::same_device(t, like), op, ": ", name, " is on ", st::device_of(t),
-             " but the data is on ", st::device_of(like));
-}
-
-void check_offset_pair(const char* op, const Tensor& cu, const Tensor& cu_padded, const Tensor& data) {
-  check_offsets_tensor(op, "cu_seqlens", cu, data);
-  check_offsets_tensor(op, "cu_seqlens_padded", cu_padded, data);
-  VERL_CHECK(cu.size(0) == cu_padded.size(0), op,
-             ": cu_seqlens and cu_seqlens_padded must have the same length, got ", cu.size(0),
-             " and ", cu_padded.size(0));
-}
-
-// Full consistency of a layout against itself and the data; host tensors only (reading device
-// memory here would be a host synchronisation; device layouts come from ThdLayout, which ran
-// these same checks on its host copy when it was built).
+// A host layout against the local rows of the data (offset_checks.h for the rest).
 void check_host_layout(const char* op, const Tensor& cu, const Tensor& cu_padded, int64_t cp_size,
                        core::CpLayout layout, int64_t local_rows) {
-  const int64_t B = cu.size(0) - 1;
-  const int32_t* c = st::ptr<int32_t>(cu);
-  const int32_t* cp = st::ptr<int32_t>(cu_padded);
-  VERL_CHECK(c[0] == 0, op, ": cu_seqlens must start at 0, got ", c[0]);
-  VERL_CHECK(cp[0] == 0, op, ": cu_seqlens_padded must start at 0, got ", cp[0]);
-  for (int64_t i = 0; i < B; ++i) {
-    const int64_t len = static_cast<int64_t>(c[i + 1]) - c[i];
-    const int64_t padded = static_cast<int64_t>(cp[i + 1]) - cp[i];
-    VERL_CHECK(len >= 0, op, ": cu_seqlens must be non-decreasing, got ", c[i], " then ", c[i + 1],
-               " at index ", i);
-    VERL_CHECK(padded >= len, op, ": cu_seqlens_padded gives sequence ", i, " ", padded,
-               " rows, fewer than its ", len, " tokens");
-    if (layout == core::CpLayout::kZigzag && cp_size > 1) {
-      VERL_CHECK(padded % (2 * cp_size) == 0, op, ": zigzag with cp_size=", cp_size,
-                 " needs every padded length to be a multiple of 2*cp_size, sequence ", i, " has ",
-                 padded);
-    }
-  }
+  const int64_t padded_total = check_host_offsets(op, cu, cu_padded, cp_size, layout);
   const int64_t total = st::checked_mul(op, "cp_size * local_rows", cp_size, local_rows);
-  VERL_CHECK(static_cast<int64_t>(cp[B]) == total, op, ": cu_seqlens_padded[-1]=", cp[B],
+  VERL_CHECK(padded_total == total, op, ": cu_seqlens_padded[-1]=", padded_total,
              " must equal cp_size * local_rows = ", cp_size, " * ", local_rows);
 }
 

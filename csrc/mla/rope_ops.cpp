@@ -1,6 +1,6 @@
 #include "rope_ops.h"
 
-#include "../cpu/rope_kernels.h"
+#include "cpu/rope_kernels.h"
 
 namespace verl_ops {
 namespace ops {

@@ -1,4 +1,4 @@
-// CPU reference kernels of variable-length attention with Dv <= Dqk (OPS.md section 6): raw
+// CPU reference kernels of variable-length attention with Dv <= Dqk (docs/mla.md#semantics): raw
 // pointers, exact softmax in the accumulation type T (float, or double for float64 inputs).
 #pragma once
 

@@ -16,11 +16,11 @@
 //   where its ~40 ms per call comes from, so it is deliberately not used here.
 // varlen: cuDNN's SDPA on the packed THD rows themselves (ragged offsets, a padding mask from the
 //   per-sequence lengths, Dv != Dqk), through graphs of the cuDNN frontend kept in a plan cache
-//   keyed by bucketed shapes (csrc/cuda/mla_cudnn_varlen.h). No padded copies, no host read of the
+//   keyed by bucketed shapes (csrc/mla/cudnn/mla_cudnn_varlen.h). No padded copies, no host read of the
 //   lengths: one metadata launch turns cu_seqlens into lengths and element offsets on the device.
 //   Compiled only where setup.py found the frontend (VERL_OPS_WITH_CUDNN_FE). The forward for
 //   Dqk 192 / Dv 128 on compute capability 9.0 runs the own SM90 kernel instead
-//   (csrc/cuda/mla_sm90_fwd.cu; VERL_OPS_VARLEN_FORWARD=cudnn keeps cuDNN's).
+//   (csrc/mla/sm90/mla_sm90_fwd.cu; VERL_OPS_VARLEN_FORWARD=cudnn keeps cuDNN's).
 //
 // Stable ABI (target 2.9): aten ops go through the dispatcher (st::call_aten) with Tensor / int /
 // float / bool / optional arguments only (and, at 2.9 to 2.11, only ops whose returns read the same
@@ -39,14 +39,14 @@
 
 #include <torch/csrc/inductor/aoti_torch/generated/c_shim_cuda.h>
 
-#include "../cuda/mla_kernels.h"
+#include "cuda/mla_kernels.h"
 #ifdef VERL_OPS_WITH_CUDNN_FE
-#include "../cuda/mla_cudnn_varlen.h"
-#include "../cuda/mla_sm90_bwd.h"
-#include "../cuda/mla_sm90_fwd.h"
+#include "cudnn/mla_cudnn_varlen.h"
+#include "sm90/mla_sm90_bwd.h"
+#include "sm90/mla_sm90_fwd.h"
 #endif
 #include "mla_ops.h"
-#include "thd_ops.h"
+#include "../ops/thd_ops.h"
 
 namespace verl_ops {
 namespace ops {
@@ -348,6 +348,39 @@ std::tuple<Tensor, void*> varlen_workspace(const VarlenCall& c, const Tensor& li
   return {ws, bytes > 0 ? ws.data_ptr() : nullptr};
 }
 
+// What the SM90 kernels' arguments (Sm90FwdArgs, Sm90BwdArgs) share: the rows of q / k / v and the
+// offsets as the kernels read them, a workspace of workspace_ints int32, the sizes, the scale and
+// the mask. The returned tensors keep those buffers alive until the launch is queued.
+struct Sm90Inputs {
+  Tensor q, k, v, cu_q, cu_kv, workspace;
+};
+template <class Args>
+Sm90Inputs sm90_inputs(Args& a, const Tensor& q, const Tensor& k, const Tensor& v,
+                       const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv, const MlaSizes& s,
+                       int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal, double scale,
+                       int64_t workspace_ints) {
+  Sm90Inputs in{cudnn_rows(q), cudnn_rows(k), cudnn_rows(v), st::contiguous(cu_seqlens_q),
+                st::contiguous(cu_seqlens_kv), st::empty(q, {workspace_ints}, st::kInt)};
+  const bool self_attention = shares_offsets(cu_seqlens_q, cu_seqlens_kv) && s.tq == s.tk &&
+                              max_seqlen_q == max_seqlen_kv;
+  a.q = in.q.data_ptr();
+  a.k = in.k.data_ptr();
+  a.v = in.v.data_ptr();
+  a.cu_q = st::ptr<int32_t>(in.cu_q);
+  a.cu_kv = st::ptr<int32_t>(in.cu_kv);
+  a.workspace = st::ptr<int32_t>(in.workspace);
+  a.batch = s.batch;
+  a.tq = s.tq;
+  a.tk = s.tk;
+  a.hq = s.hq;
+  a.hk = s.hk;
+  a.scale = static_cast<float>(scale);
+  a.causal = causal;
+  a.bottom_right = causal && !self_attention;
+  a.half = q.scalar_type() == st::kHalf;
+  return in;
+}
+
 std::tuple<Tensor, Tensor> varlen_forward(const char* op, const Tensor& q, const Tensor& k,
                                           const Tensor& v, const Tensor& cu_seqlens_q,
                                           const Tensor& cu_seqlens_kv, const MlaSizes& s,
@@ -357,35 +390,18 @@ std::tuple<Tensor, Tensor> varlen_forward(const char* op, const Tensor& q, const
   if (s.dqk == 192 && s.dv == 128 && s.tq < kInt32Rows && s.tk < kInt32Rows &&
       cuda::sm90_forward_device(q.get_device_index())) {
     // MLA's head dims on Hopper (rows addressed by TMA's int32 coordinates): the own SM90 kernel
-    // (csrc/cuda/mla_sm90_fwd.cu), which writes the same outputs as cuDNN's forward (every row of
+    // (csrc/mla/sm90/mla_sm90_fwd.cu), which writes the same outputs as cuDNN's forward (every row of
     // every sequence, +inf log-sum-exp where a row sees no key), so cuDNN's backward reads them
     // unchanged. No plan, no host read.
-    const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
-    const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
     Tensor out = st::empty(q, {s.tq, s.hq, s.dv}, q.scalar_type());
     Tensor stats = st::empty(q, {s.tq, s.hq}, st::kFloat);
-    Tensor ws = st::empty(q, {cuda::sm90_forward_workspace_ints(s.batch)}, st::kInt);
-    const bool self_attention = shares_offsets(cu_seqlens_q, cu_seqlens_kv) && s.tq == s.tk &&
-                                max_seqlen_q == max_seqlen_kv;
     cuda::Sm90FwdArgs a{};
-    a.q = qc.data_ptr();
-    a.k = kc.data_ptr();
-    a.v = vc.data_ptr();
+    const Sm90Inputs in = sm90_inputs(a, q, k, v, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
+                                      max_seqlen_kv, causal, scale,
+                                      cuda::sm90_forward_workspace_ints(s.batch));
     a.out = out.data_ptr();
     a.lse = st::ptr<float>(stats);
-    a.cu_q = st::ptr<int32_t>(cu_q);
-    a.cu_kv = st::ptr<int32_t>(cu_kv);
-    a.workspace = st::ptr<int32_t>(ws);
-    a.batch = s.batch;
-    a.tq = s.tq;
-    a.tk = s.tk;
-    a.hq = s.hq;
-    a.hk = s.hk;
     a.max_seqlen_q = max_seqlen_q;
-    a.scale = static_cast<float>(scale);
-    a.causal = causal;
-    a.bottom_right = causal && !self_attention;
-    a.half = q.scalar_type() == st::kHalf;
     st::check_launch(op, cuda::launch_sm90_forward(a, st::current_stream(q)));
     return {out, st::contiguous(torch::stable::transpose(stats, 0, 1))};
   }
@@ -420,26 +436,21 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(
   if (s.dqk == 192 && s.dv == 128 && s.tq < kInt32Rows && s.tk < kInt32Rows &&
       cuda::sm90_backward_device(q.get_device_index())) {
     // MLA's head dims on Hopper (unless VERL_OPS_VARLEN_BACKWARD=cudnn): the own SM90 backward
-    // (csrc/cuda/mla_sm90_bwd.cu). It reads the
+    // (csrc/mla/sm90/mla_sm90_bwd.cu). It reads the
     // forward's output and log-sum-exp as they are (either forward's), writes every dq row and
     // the dk / dv rows of every sequence (zeros where no query sees a key), needs no plan and no
     // host read. Its workspace: dq's fp32 accumulator and lse / D per head and row.
-    const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
     const Tensor oc = cudnn_rows(out), gc = cudnn_rows(grad_out);
     const Tensor lse = st::contiguous(softmax_lse);  // [Hq, Tq]
-    const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
     Tensor dq = st::empty(q, {s.tq, s.hq, s.dqk}, q.scalar_type());
     Tensor dk = st::empty(k, {s.tk, s.hk, s.dqk}, k.scalar_type());
     Tensor dv = st::empty(v, {s.tk, s.hk, s.dv}, v.scalar_type());
     Tensor accum = st::empty(q, {s.tq, s.hq, s.dqk}, st::kFloat);
     Tensor lse_d = st::empty(q, {s.hq, s.tq, 2}, st::kFloat);
-    Tensor ws = st::empty(q, {cuda::sm90_backward_workspace_ints(s.batch)}, st::kInt);
-    const bool self_attention = shares_offsets(cu_seqlens_q, cu_seqlens_kv) && s.tq == s.tk &&
-                                max_seqlen_q == max_seqlen_kv;
     cuda::Sm90BwdArgs a{};
-    a.q = qc.data_ptr();
-    a.k = kc.data_ptr();
-    a.v = vc.data_ptr();
+    const Sm90Inputs in = sm90_inputs(a, q, k, v, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
+                                      max_seqlen_kv, causal, scale,
+                                      cuda::sm90_backward_workspace_ints(s.batch));
     a.out = oc.data_ptr();
     a.dout = gc.data_ptr();
     a.lse = st::ptr<float>(lse);
@@ -448,20 +459,8 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(
     a.dq = dq.data_ptr();
     a.dk = dk.data_ptr();
     a.dv = dv.data_ptr();
-    a.cu_q = st::ptr<int32_t>(cu_q);
-    a.cu_kv = st::ptr<int32_t>(cu_kv);
-    a.workspace = st::ptr<int32_t>(ws);
     a.dq_accum = st::ptr<float>(accum);
     a.lse_d = reinterpret_cast<float2*>(st::ptr<float>(lse_d));
-    a.batch = s.batch;
-    a.tq = s.tq;
-    a.tk = s.tk;
-    a.hq = s.hq;
-    a.hk = s.hk;
-    a.scale = static_cast<float>(scale);
-    a.causal = causal;
-    a.bottom_right = causal && !self_attention;
-    a.half = q.scalar_type() == st::kHalf;
     st::check_launch(op, cuda::launch_sm90_backward(a, st::current_stream(q)));
     return {dq, dk, dv};
   }

@@ -1,4 +1,4 @@
-#include "../cuda/rope_kernels.h"
+#include "cuda/rope_kernels.h"
 #include "rope_ops.h"
 
 namespace verl_ops {

@@ -1,8 +1,8 @@
-// mla_rope: MLA's rotary embedding of THD rows in one pass (core/rope.h, docs/megatron.md#rope).
+// mla_rope: MLA's rotary embedding of THD rows in one pass (mla/rope.h, docs/megatron.md#rope).
 #pragma once
 
-#include "../core/rope.h"
-#include "stable.h"
+#include "rope.h"
+#include "../ops/stable.h"
 
 namespace verl_ops {
 namespace ops {

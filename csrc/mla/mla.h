@@ -1,10 +1,10 @@
-// Index rules of variable-length attention for MLA head dims (OPS.md section 6), shared by the
+// Index rules of variable-length attention for MLA head dims (docs/mla.md#semantics), shared by the
 // CPU reference kernels and the CUDA pad kernel.
 #pragma once
 
 #include <cstdint>
 
-#include "thd_layout.h"
+#include "../core/thd_layout.h"
 
 namespace verl_ops {
 namespace core {

@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "../core/mla.h"
+#include "../mla.h"
 
 namespace verl_ops {
 namespace cuda {

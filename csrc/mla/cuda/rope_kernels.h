@@ -1,11 +1,11 @@
-// CUDA kernel of mla_rope (core/rope.h).
+// CUDA kernel of mla_rope (mla/rope.h).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
 
-#include "../core/rope.h"
+#include "../rope.h"
 
 namespace verl_ops {
 namespace cuda {

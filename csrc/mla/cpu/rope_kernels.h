@@ -1,9 +1,9 @@
-// CPU kernel of mla_rope (core/rope.h): raw pointers, one (row, head) per step.
+// CPU kernel of mla_rope (mla/rope.h): raw pointers, one (row, head) per step.
 #pragma once
 
 #include <cstdint>
 
-#include "../core/rope.h"
+#include "../rope.h"
 
 namespace verl_ops {
 namespace cpu {

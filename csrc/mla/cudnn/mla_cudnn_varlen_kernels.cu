@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <atomic>
 
-#include "../core/mla.h"
-#include "../core/thd_rows.h"
+#include "../mla.h"
+#include "../../core/thd_rows.h"
 
 namespace verl_ops {
 namespace cuda {

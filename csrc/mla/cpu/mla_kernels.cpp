@@ -5,7 +5,7 @@
 #include <limits>
 #include <vector>
 
-#include "../core/mla.h"
+#include "../mla.h"
 
 namespace verl_ops {
 namespace cpu {

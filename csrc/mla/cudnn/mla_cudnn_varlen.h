@@ -11,7 +11,7 @@
 //
 // This header has no cuDNN and no torch types: the frontend is compiled in one translation unit
 // (mla_cudnn_varlen.cpp), the metadata kernels in mla_cudnn_varlen_kernels.cu, and the ATen-facing
-// code (csrc/ops/mla_ops_cuda.cpp) allocates every buffer and passes raw pointers.
+// code (csrc/mla/mla_ops_cuda.cpp) allocates every buffer and passes raw pointers.
 #pragma once
 
 #include <cuda_runtime_api.h>

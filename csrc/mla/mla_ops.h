@@ -1,7 +1,14 @@
 // mla_forward_padded / mla_backward_padded: variable-length (THD) attention for MLA head dims
-// (Dv <= Dqk), OPS.md section 6. Argument checks, backend choice, output layout and the CPU
+// (Dv <= Dqk), docs/mla.md#semantics. Argument checks, backend choice, output layout and the CPU
 // implementation here (mla_ops.cpp), CUDA in mla_ops_cuda.cpp. The fake (Meta) kernels live in
 // Python (verl_ops/_fake.py) and mirror the checks and the layout rule below.
+//
+// This folder holds the whole op: mla.h (index rules shared by the kernels), the host dispatch
+// (mla_ops*.cpp), cpu/ (the float reference), cuda/ (the pad kernel of the padded backend),
+// cudnn/ (the varlen backend: cuDNN frontend graphs and their metadata kernels) and sm90/ (the
+// varlen backend's own Hopper forward and backward for Dqk 192 / Dv 128). mla_rope (MLA's RoPE of
+// THD rows, what megatron_mla.install() puts under Megatron's THD RoPE) is rope.h, rope_ops*.cpp,
+// cpu/rope_kernels.* and cuda/rope_kernels.*.
 //
 // Output layout rule (what the fake kernels must mirror):
 //   backend = resolve_mla_backend(...)  (a function of the shapes, causal, shares_offsets and,
@@ -23,7 +30,7 @@
 #include <optional>
 #include <tuple>
 
-#include "stable.h"
+#include "../ops/stable.h"
 
 namespace verl_ops {
 namespace ops {
@@ -31,7 +38,7 @@ namespace ops {
 using st::Tensor;
 
 // The raw ops' int backend argument (the stable ABI has no str at 2.9; Python maps the names).
-// varlen: cuDNN's SDPA on the packed rows through the cuDNN frontend (csrc/cuda/mla_cudnn_varlen.h),
+// varlen: cuDNN's SDPA on the packed rows through the cuDNN frontend (csrc/mla/cudnn/mla_cudnn_varlen.h),
 // compiled only where setup.py found the frontend's headers (VERL_OPS_WITH_CUDNN_FE).
 enum class MlaBackend { kPadded, kNative, kVarlen };
 constexpr int64_t kMlaBackendAuto = 0;
@@ -121,9 +128,9 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cpu(
 // build has the backend), size, hits, misses, builds, failed builds, evictions, capacity (0: no
 // limit), buckets whose build failed (remembered), the loaded cuDNN's version (0: none), 1 when
 // the backend's forward runs the own SM90 kernel for Dqk 192 / Dv 128 on compute capability 9.0
-// (csrc/cuda/mla_sm90_fwd.cu: built for 9.0a and not turned off by
+// (csrc/mla/sm90/mla_sm90_fwd.cu: built for 9.0a and not turned off by
 // VERL_OPS_VARLEN_FORWARD=cudnn), 1 when its backward runs the own SM90 kernel likewise
-// (csrc/cuda/mla_sm90_bwd.cu; not turned off by VERL_OPS_VARLEN_BACKWARD=cudnn)}. `like` is any CPU tensor (the op needs one tensor argument to
+// (csrc/mla/sm90/mla_sm90_bwd.cu; not turned off by VERL_OPS_VARLEN_BACKWARD=cudnn)}. `like` is any CPU tensor (the op needs one tensor argument to
 // dispatch). `capacity` >= 0 sets the cache's capacity first (-1: unchanged).
 constexpr int64_t kMlaCacheInfoFields = 12;
 Tensor mla_cache_info(const Tensor& like, int64_t capacity);

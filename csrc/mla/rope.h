@@ -17,7 +17,7 @@
 
 #include <cstdint>
 
-#include "thd_layout.h"
+#include "../core/thd_layout.h"
 
 namespace verl_ops {
 namespace core {

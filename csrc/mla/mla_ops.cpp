@@ -5,11 +5,11 @@
 #include <cmath>
 #include <string>
 
-#include "../cpu/mla_kernels.h"
+#include "cpu/mla_kernels.h"
 #ifdef VERL_OPS_WITH_CUDNN_FE
-#include "../cuda/mla_cudnn_varlen.h"
-#include "../cuda/mla_sm90_bwd.h"
-#include "../cuda/mla_sm90_fwd.h"
+#include "cudnn/mla_cudnn_varlen.h"
+#include "sm90/mla_sm90_bwd.h"
+#include "sm90/mla_sm90_fwd.h"
 #endif
 
 namespace verl_ops {
