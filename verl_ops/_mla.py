@@ -2,7 +2,7 @@
 variable-length (THD) attention for Multi-Latent Attention head dims (value head dim Dv <=
 query/key head dim Dqk; docs/mla.md#semantics). Their fake (Meta) kernels, the Python copy of the
 ``backend="auto"`` rule (the one the fake kernels and the Python API use; the op's own is
-resolve_mla_backend in csrc/ops/mla_ops.cpp, and tests/test_mla.py checks that the two agree),
+resolve_mla_backend in csrc/mla/mla_ops.cpp, and tests/test_mla.py checks that the two agree),
 the autograd of mla_forward_padded and the Python API."""
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ _CACHE_FIELDS = ("available", "size", "hits", "misses", "builds", "failures", "e
 # --------------------------------------------------------------------------------------------
 # backend="auto" (the Python copy of resolve_mla_backend) and the fake (Meta) kernels.
 
-# Mirrors csrc/ops/mla_ops.cpp: the shapes where backend=auto picks the native path (Dqk, Dv,
+# Mirrors csrc/mla/mla_ops.cpp: the shapes where backend=auto picks the native path (Dqk, Dv,
 # min max_seqlen, min query rows x heads).
 _AUTO_NATIVE = ((192, 128, 1024, 16 * 1024 * 16),)
-# Mirrors kAutoVarlen in csrc/ops/mla_ops.cpp: the head dims where backend=auto sends batches that
+# Mirrors kAutoVarlen in csrc/mla/mla_ops.cpp: the head dims where backend=auto sends batches that
 # are not uniform to the varlen backend (Dqk, Dv, min query rows x heads), where _varlen_auto holds.
 _AUTO_VARLEN = ((192, 128, 0), (64, 64, 0), (128, 128, 0), (192, 192, 0), (256, 256, 0))
 # Whether this build has the varlen backend, read once at import (_C is loaded by then): the fake
@@ -73,7 +73,7 @@ def _auto_flags(device: torch.device) -> tuple:
 
 def _shares_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
     """One offsets tensor for q and kv: the same tensor, or views of one storage at one offset
-    with one shape (mirrors shares_offsets in csrc/ops/mla_ops.cpp)."""
+    with one shape (mirrors shares_offsets in csrc/mla/mla_ops.cpp)."""
     if a is b:
         return True
     return (
@@ -93,7 +93,7 @@ def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
            f"q, k and v must have one dtype, got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     check(k.device == q.device and v.device == q.device, op,
            f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
-    # The dtypes the op's kernels take on the device (prepare_mla in csrc/ops/mla_ops.cpp): traced
+    # The dtypes the op's kernels take on the device (prepare_mla in csrc/mla/mla_ops.cpp): traced
     # code fails here, as the op would at run time.
     if q.device.type == "cuda":
         check(q.dtype in (torch.float16, torch.bfloat16), op,
@@ -128,7 +128,7 @@ def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
 
 def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets, varlen_auto,
                  varlen_uniform=False) -> str:
-    """Mirrors resolve_mla_backend in csrc/ops/mla_ops.cpp (shapes, and varlen_auto /
+    """Mirrors resolve_mla_backend in csrc/mla/mla_ops.cpp (shapes, and varlen_auto /
     varlen_uniform for auto)."""
     check(backend in (0, 1, 2, 3), op, f"backend must be 0 (auto), 1 (padded), 2 (native) or 3 (varlen), got {backend}")
     name = BACKENDS[backend]
@@ -391,7 +391,7 @@ def mla_cache_info(*, capacity: int | None = None) -> dict:
         ``"hopper_forward": bool``: the backend's forward runs verl_ops' own SM90 kernel (built
         for sm_90a, see setup.py) for head dims 192 / 128 on compute capability 9.0 GPUs instead
         of a cuDNN plan; ``VERL_OPS_VARLEN_FORWARD=cudnn`` (read once per process) turns it off.
-        ``"hopper_backward": bool``: likewise for the backward (csrc/cuda/mla_sm90_bwd.cu), which
+        ``"hopper_backward": bool``: likewise for the backward (csrc/mla/sm90/mla_sm90_bwd.cu), which
         reads either forward's outputs; ``VERL_OPS_VARLEN_BACKWARD=cudnn`` (read once per
         process) keeps cuDNN's backward plan instead.
     """
