@@ -1,4 +1,4 @@
-"""benchmarks/launch_clock.c, the launch clock behind bench_overhead's "call -> launch" columns:
+"""benchmarks/overhead/launch_clock.c, the launch clock behind bench_overhead's "call -> launch" columns:
 it must note the time a launch enters the runtime (CLOCK_MONOTONIC, Python's perf_counter_ns),
 keep the first one until read, re-arm on read, and forward the launch."""
 
@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "launch_clock.c")
+SRC = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks", "overhead", "launch_clock.c")
 CC = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
 
 pytestmark = pytest.mark.skipif(CC is None or not sys.platform.startswith("linux"), reason="needs a C compiler on Linux")
