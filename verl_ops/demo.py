@@ -9,7 +9,7 @@ Exits with status 1 when any output differs from the expected one.
 The loop baseline (:func:`loop_pack` / :func:`loop_unpack`) is verl's algorithm
 (``preprocess_thd_engine`` / ``postprocess_thd_engine``): a zeros buffer, then a Python loop over
 the sequences that copies each sequence's slice (or its two zigzag chunks) into place. It is also
-the reference that ``benchmarks/bench_thd.py`` checks the ops against.
+the reference that ``benchmarks/thd/bench_thd.py`` checks the ops against.
 """
 
 from __future__ import annotations

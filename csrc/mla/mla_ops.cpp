@@ -63,7 +63,7 @@ st::ScalarType lse_dtype_of(const Tensor& q) {
 }
 
 // Shapes where the native (unpadded) path measured faster than the padded one; "auto" uses it
-// there (benchmarks/RESULTS.md, H200, bf16, causal 192/128: native 2.1-2.5x faster forward and
+// there (benchmarks/LOG.md, H200, bf16, causal 192/128: native 2.1-2.5x faster forward and
 // 1.8-2.1x forward+backward from 16 x 1024 tokens x 16 heads up; at 2 x 1024 x 16 the backward
 // is host-bound and the padded path wins). verl_ops/_fake.py (_AUTO_NATIVE) mirrors this table.
 struct AutoNativeRule {
@@ -197,7 +197,7 @@ MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& 
   }
   // Uniform batches at MLA's head dims where varlen runs the own SM90 kernels: ahead of native
   // (1.08-1.21x forward, 1.04-1.09x forward+backward, same run) and padded (2x and more) on every
-  // uniform batch measured (H200, benchmarks/RESULTS.md 2026-11-26).
+  // uniform batch measured (H200, benchmarks/LOG.md 2026-11-26).
   if (backend == kMlaBackendAuto && varlen_auto && varlen_uniform && uniform && s.dqk == 192 &&
       s.dv == 128) {
     return MlaBackend::kVarlen;

@@ -11,9 +11,9 @@
 //   diagonal, runs that tile's S GEMM over the first 64 keys only (m64n64); a warpgroup whose rows
 //   all lie past the sequence's end (a last query tile of at most 64 rows) issues no GEMM and only
 //   keeps the turns and barriers in step.
-// Two details the SASS needs (checked with nvdisasm; benchmarks/prof_mla_sm90_ab.sh measures
-// them): the descriptors derive from warp-uniform values (a shuffle from lane 0), so they live in
-// uniform registers and the 20 wgmmas of a key tile issue back to back; and a store of the
+// Two details the SASS needs (checked with nvdisasm; benchmarks/mla/harness/prof_mla_sm90_ab.sh
+// measures them): the descriptors derive from warp-uniform values (a shuffle from lane 0), so they
+// live in uniform registers and the 20 wgmmas of a key tile issue back to back; and a store of the
 // softmax's row sums sits before the wait for the PV GEMM, so ptxas cannot hoist that wait above
 // the softmax (it did, which ran the softmax after the GEMM instead of beside it).
 #pragma once

@@ -89,7 +89,7 @@ cudaError_t launch_bwd(const Sm90BwdArgs& a, bwd::Params& p, cudaStream_t stream
 
 bool sm90_backward_enabled() {
   // On by default (on an H200 it is 1.02-1.14x cuDNN's backward at the op level, see
-  // benchmarks/RESULTS.md); VERL_OPS_VARLEN_BACKWARD=cudnn keeps cuDNN's backward plan.
+  // benchmarks/LOG.md); VERL_OPS_VARLEN_BACKWARD=cudnn keeps cuDNN's backward plan.
   static const bool enabled = sm90_forward_compiled() && !env_selects_cudnn("VERL_OPS_VARLEN_BACKWARD");
   return enabled;
 }

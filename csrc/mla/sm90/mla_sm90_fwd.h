@@ -37,8 +37,8 @@ bool sm90_forward_device(int device);
 cudaError_t launch_sm90_forward(const Sm90FwdArgs& a, cudaStream_t stream);
 
 #if defined(VERL_OPS_SM90_TRACE)
-// Diagnostics build only (-DVERL_OPS_SM90_TRACE, benchmarks/prof_mla_sm90.cu): per CTA, role
-// (0 producer, 1 and 2 the consumer warpgroups) and tile taken (the first kSm90TraceTiles), the
+// Diagnostics build only (-DVERL_OPS_SM90_TRACE, benchmarks/mla/harness/prof_mla_sm90.cu): per CTA,
+// role (0 producer, 1 and 2 the consumer warpgroups) and tile taken (the first kSm90TraceTiles), the
 // clock64 of each event. Producer: 0 tile handed out, 1 Q buffer free (Q load issued), 2 last
 // K / V load issued, 7 key tiles. Consumer: 0 tile received, 1 Q arrived, 2 first S done, 3 first
 // softmax done, 4 main loop done, 5 last PV done, 6 epilogue done, 7 key tiles.

@@ -1,6 +1,6 @@
-// Diagnostics build only (-DVERL_OPS_SM90_TRACE, benchmarks/prof_mla_sm90.cu with TRACE=1): clock64
-// stamps of the forward per CTA, role (0 producer, 1 / 2 consumer warpgroups), tile taken and
-// event (see mla_sm90_fwd.h); SM90_TRACE compiles to nothing otherwise.
+// Diagnostics build only (-DVERL_OPS_SM90_TRACE, benchmarks/mla/harness/prof_mla_sm90.cu with
+// TRACE=1): clock64 stamps of the forward per CTA, role (0 producer, 1 / 2 consumer warpgroups),
+// tile taken and event (see mla_sm90_fwd.h); SM90_TRACE compiles to nothing otherwise.
 #pragma once
 
 #include "mla_sm90_fwd.h"
