@@ -16,7 +16,7 @@ the full K / V for zigzag).
 
 Why all-gather and not a ring: docs/megatron.md#context-parallel (one collective per tensor and
 one fused attention call per rank; the ring needs ``cp`` calls and log-sum-exp merges per layer;
-benchmarks/bench_mla_cp.py measures both).
+benchmarks/megatron/bench_mla_cp.py measures both).
 
 Collectives: every rank of the group issues the same ones (a 4-byte status all-reduce and two
 all-gathers forward; two all-gathers and two reduce-scatters backward) whatever its data or what it remembers, an
