@@ -306,6 +306,56 @@ def check_dynamic_cp(rank, world, backend, seed):
     return True
 
 
+def check_core_attention_dynamic_cp(rank, world, backend, seed):
+    """MLACoreAttention (the Megatron core-attention module) under dynamic CP: the group of each
+    micro-batch comes from ``packed_seq_params.cp_group`` with ``local_cp_size``, pairs of ranks
+    in one micro-batch, the whole world in the next, no CP at all (local_cp_size 1) in the last;
+    each rank's [t, n * Dv] rows equal the single-process attention's, and its gradients too."""
+    from types import SimpleNamespace
+
+    from verl_ops.integrations.megatron_mla import MLACoreAttention
+
+    dist, device = _setup(rank, backend)
+    assert world == 4
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    dtype, dqk, dv = _kind(device)
+    heads = 2
+    config = SimpleNamespace(attention_dropout=0.0, kv_channels=dqk, softmax_type="vanilla", window_size=None)
+    core = MLACoreAttention(config, 1, "causal", "self", cp_comm_type="p2p")
+    core_ag = MLACoreAttention(config, 1, "causal", "self", cp_comm_type="all_gather")
+    rng = random.Random(seed)
+    for key, group, cp, r in (
+        (f"pair{rank // 2}", pairs[rank // 2], 2, rank % 2),
+        ("world", dist.group.WORLD, 4, rank),
+        (f"alone{rank}", None, 1, 0),
+    ):
+        lengths = ragged_lengths(random.Random(f"{seed}-{key}"), 5, 10.0, 40)
+        layout = ThdLayout.from_lengths(lengths, cp_size=cp, cp_layout="zigzag")
+        cu_real, cu_padded = layout.cu_seqlens_cpu, layout.cu_seqlens_padded_cpu
+        rows = rank_rows(cu_padded.tolist(), cp, r, "zigzag")
+        q, k, v, grad = _full_batch(rng.randrange(2**31), layout.total_padded,
+                                    heads, dqk, dv, dtype)
+        want = _attend(*(x.double() if device.type == "cpu" else x.to(device) for x in (q, k, v, grad)),
+                       cu_padded if device.type == "cpu" else cu_padded.to(device), layout.max_seqlen, None)
+        want = [w[rows.to(w.device)] for w in want]
+        psp = SimpleNamespace(
+            qkv_format="thd", cu_seqlens_q=cu_real.to(device), cu_seqlens_kv=cu_real.to(device),
+            cu_seqlens_q_padded=cu_padded.to(device), cu_seqlens_kv_padded=cu_padded.to(device),
+            max_seqlen_q=layout.max_seqlen, max_seqlen_kv=layout.max_seqlen,
+            local_cp_size=cp, cp_group=group,
+        )
+        for module in (core, core_ag):
+            ql, kl, vl = (x[rows].to(device).requires_grad_(True) for x in (q, k, v))
+            out = module(ql, kl, vl, None, packed_seq_params=psp)
+            assert tuple(out.shape) == (rows.numel(), heads * dv), tuple(out.shape)
+            out.backward(grad[rows].to(device).reshape(rows.numel(), heads * dv))
+            what = f"MLACoreAttention {module.cp_comm_type} {key} cp={cp} rank={r}"
+            for name, got, w in zip(("out", "dq", "dk", "dv"),
+                                    (out.detach().reshape(-1, heads, dv), ql.grad, kl.grad, vl.grad), want):
+                _assert_close(f"{what}: {name}", got.cpu(), w.cpu(), TOL[dtype])
+    return True
+
+
 def check_empty(rank, world, backend):
     """An empty batch and a batch of empty sequences: [0, n, Dv] out, zero-size gradients, no hang;
     the group is in step afterwards."""
@@ -447,6 +497,10 @@ def test_no_group_or_group_of_one_is_plain_attention(dist_run):
 
 def test_dynamic_cp_groups(dist_run4):
     dist_run4("check_dynamic_cp", 77, timeout_s=240.0)
+
+
+def test_core_attention_dynamic_cp(dist_run4):
+    dist_run4("check_core_attention_dynamic_cp", 5, timeout_s=240.0)
 
 
 def test_empty_batches(dist_run):
