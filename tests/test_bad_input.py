@@ -1,4 +1,4 @@
-"""The project's bad-input battery (issue 13): every public function and every raw op, fed what a
+"""The project's bad-input battery: every public function and every raw op, fed what a
 new user might pass by mistake, must raise a clear error of the expected type whose message names
 the op and the argument ("<op>: <argument> ..."), never crash, hang or accept it silently.
 
@@ -424,6 +424,10 @@ META_CASES = [
     ("merge_router_topk_indices-attached_layout", lambda: verl_router.merge_router_topk_indices(
         None, _meta_nested((), torch.int64), [torch.zeros(15, 2, dtype=torch.int64, device=M)] * 3, TF_CONFIG,
         packed_seq_params=psp_with_layout(_meta_layout())), ("nested", 15, 3, 2)),
+    ("mla_cp_attention-no_group", lambda: verl_ops.mla_cp_attention(*_mla_meta()[:4], 7), (15, 4, 8)),
+    ("mla_rope", lambda: verl_ops.mla_rope(torch.zeros(15, 4, 8, device=M), torch.zeros(9, 8, device=M),
+                                           torch.zeros(9, 8, device=M), torch.zeros(15, dtype=torch.int64, device=M)),
+     (15, 4, 8)),
     ("cuda_available", lambda: verl_ops.cuda_available(), verl_ops.cuda_available()),
 ]
 
@@ -505,7 +509,27 @@ def _cu(values, d, dtype=torch.int32):
     return torch.tensor(values, dtype=dtype, device=d)
 
 
+def _cp_call(d, **kw):
+    q = torch.zeros(4, 2, 8, device=d)
+    return verl_ops.mla_cp_attention(q, q, q[..., :4], _cu([0, 4], d), 4, **kw)
+
+
 ARG_CASES = [
+    # mla_cp_attention: names checked before any collective (the same on every rank)
+    Case("mla_cp_attention-cp_layout", "mla_cp_attention", "cp_layout", ValueError,
+         lambda d: _cp_call(d, cp_layout="ring"), "one of"),
+    Case("mla_cp_attention-backend", "mla_cp_attention", "backend", ValueError,
+         lambda d: _cp_call(d, backend="fa4"), "one of"),
+    Case("mla_cp_attention-cp_comm_type", "mla_cp_attention", "cp_comm_type", ValueError,
+         lambda d: _cp_call(d, cp_comm_type="a2a"), "one of"),
+    # mla_rope (its raw op's cases are below)
+    Case("mla_rope-x_list", "mla_rope", "x", TypeError,
+         lambda d: verl_ops.mla_rope([[[0.0, 1.0]]], *_rope_inputs(d)[1:]), "must be a tensor, got list"),
+    Case("mla_rope-positions_nested", "mla_rope", "positions", ValueError,
+         lambda d: verl_ops.mla_rope(*_rope_inputs(d)[:3], torch.nested.nested_tensor(
+             [_i64([0, 1], d), _i64([2], d)], layout=torch.jagged)), "nested"),
+    Case("mla_cp_attention-cp_comm_type_p2p_contiguous", "mla_cp_attention", "cp_comm_type", ValueError,
+         lambda d: _cp_call(d, cp_comm_type="p2p", cp_layout="contiguous"), "zigzag layout only"),
     # ThdLayout
     Case("from_padded_offsets-not_at_0", "ThdLayout.from_padded_offsets", "cu_seqlens_padded", ValueError,
          lambda d: ThdLayout.from_padded_offsets([3, 1], _cu([1, 4, 8], d)), "must start at 0, got 1"),
@@ -806,6 +830,12 @@ def _raw_mla_bwd(d, *, backend=0, grad=None, lse=None):
     lse = torch.zeros(2, 8, device=d) if lse is None else lse
     grad = out if grad is None else grad
     return ops.mla_backward_padded(grad, q, k, v, out, lse, cq, ckv, 5, 5, True, None, backend)
+
+
+def _rope_inputs(d):
+    """A valid mla_rope call: x [3, 2, 8] float32, cos / sin [4, 8], positions int64 [3]."""
+    return (torch.zeros(3, 2, 8, device=d), torch.zeros(4, 8, device=d), torch.zeros(4, 8, device=d),
+            _i64([0, 1, 2], d))
 
 
 def _i32(v, d):
@@ -1138,6 +1168,24 @@ RAW_CASES = [
          lambda d: ops.mla_cache_info(torch.empty(0, device="meta")), "CPU", devices="cpu"),
     Case("raw-mla_cache_info-like_device", "mla_cache_info", "like", RT,
          lambda d: ops.mla_cache_info(torch.empty(0, device="meta" if d == "cpu" else d)), "CPU"),
+    # mla_rope (x [rows, heads, dim], cos / sin [table_rows, dim] in x's dtype, int64 positions [rows])
+    Case("raw-mla_rope-positions_int32", "mla_rope", "positions", RT,
+         lambda d: ops.mla_rope(*_rope_inputs(d)[:3], _i32([0, 1, 2], d)), "int64"),
+    Case("raw-mla_rope-positions_short", "mla_rope", "positions", RT,
+         lambda d: ops.mla_rope(*_rope_inputs(d)[:3], _i64([0, 1], d)), r"\[3\]"),
+    Case("raw-mla_rope-positions_outside_the_table", "mla_rope", "positions", RT,
+         lambda d: ops.mla_rope(*_rope_inputs(d)[:3], _i64([0, 4, 1], d)), "outside the 4 rows", devices="cpu"),
+    Case("raw-mla_rope-cos_dtype", "mla_rope", "cos", RT,
+         lambda d: ops.mla_rope(_rope_inputs(d)[0], _rope_inputs(d)[1].double(), *_rope_inputs(d)[2:]), "dtype"),
+    Case("raw-mla_rope-sin_dim", "mla_rope", "sin", RT,
+         lambda d: ops.mla_rope(*_rope_inputs(d)[:2], _rope_inputs(d)[2][:, :4], _rope_inputs(d)[3]), r"\[table_rows, 8\]"),
+    Case("raw-mla_rope-x_odd_dim", "mla_rope", "rope dim", RT,
+         lambda d: ops.mla_rope(torch.zeros(3, 2, 7, device=d), torch.zeros(4, 7, device=d), torch.zeros(4, 7, device=d),
+                                _i64([0, 1, 2], d)), "even"),
+    Case("raw-mla_rope-x_int", "mla_rope", "x", RT,
+         lambda d: ops.mla_rope(torch.zeros(3, 2, 8, dtype=torch.int32, device=d),
+                                *(torch.zeros(4, 8, dtype=torch.int32, device=d) for _ in range(2)), _i64([0, 1, 2], d)),
+         "float32, float64, float16 or bfloat16"),
     Case("raw-mla_cache_info-capacity_negative", "mla_cache_info", "capacity", RT,
          lambda d: ops.mla_cache_info(torch.empty(0), -2), "-2", devices="cpu"),
 ]
@@ -1166,7 +1214,7 @@ def test_raw_op_cases_cover_every_op():
 
 
 def test_case_count():
-    """The battery holds at least 100 distinct bad inputs (issue 13)."""
+    """The battery holds at least 100 distinct bad inputs."""
     cases = LENGTH_CASES + NESTED_CASES + PLAIN_CASES + META_HOST_CASES + ARG_CASES + RAW_CASES
     assert len({c.id for c in cases}) == len(cases)
     assert len(cases) + len(META_CASES) >= 100

@@ -1,4 +1,4 @@
-"""The varlen backend of mla_forward_padded (cuDNN's attention on the packed THD rows, issue 10)
+"""The varlen backend of mla_forward_padded (cuDNN's attention on the packed THD rows)
 against a float64 reference written from docs/mla.md#semantics: V zero-padded to Dqk, softmax attention
 per sequence (bottom-right causal diagonal, grouped kv heads), output trimmed to Dv; the log-sum-exp
 of the scaled scores per query row (+inf for a row that sees no key).

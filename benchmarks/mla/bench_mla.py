@@ -2,10 +2,10 @@
 
     python benchmarks/mla/bench_mla.py --out benchmarks/results_mla.md
     python benchmarks/mla/bench_mla.py --quick            # two small shapes, few repeats
-    python benchmarks/mla/bench_mla.py --batches ragged   # only the ragged batches (issue 10)
+    python benchmarks/mla/bench_mla.py --batches ragged   # only the ragged batches
 
-Uniform batches (issue 5): 4 x 4096 tokens x 16 heads, 1 x 16384 x 16, 16 x 1024 x 16,
-4 x 4096 x 128. Ragged batches (issue 10): RL-ragged (lengths drawn log-normal, median 1500,
+Uniform batches: 4 x 4096 tokens x 16 heads, 1 x 16384 x 16, 16 x 1024 x 16,
+4 x 4096 x 128. Ragged batches: RL-ragged (lengths drawn log-normal, median 1500,
 sigma 0.9, clipped to [64, 8192], until the batch holds 32k tokens; fixed seed; ~20 sequences)
 with 16 and 128 heads, and 64 short sequences (lengths uniform in [64, 1024], fixed seed, 16
 heads); their lengths are printed. Causal, bf16, Dqk=192, Dv=128, packed THD rows, one
@@ -380,7 +380,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--quick", action="store_true", help="two small shapes and an 8k-token ragged batch, few repeats")
     p.add_argument("--batches", choices=("all", "uniform", "ragged"), default="all",
-                   help="which batches: the uniform shapes, the ragged batches of issue 10, or both")
+                   help="which batches: the uniform shapes, the ragged batches, or both")
     p.add_argument("--shapes", default=None,
                    help="uniform batches instead of --batches: comma-separated BxSxH (e.g. '16x1024x16,4x4096x128')")
     p.add_argument("--reps", type=int, default=None, help="timed repeats per method (default 30; quick 5)")

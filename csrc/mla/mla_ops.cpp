@@ -77,7 +77,7 @@ constexpr std::array<AutoNativeRule, 1> kAutoNative{{{192, 128, 1024, 16 * 1024 
 // that differ) to the varlen backend, on devices where varlen_auto holds (the build has the
 // backend and the device is one it was measured on: Hopper). The padded path pays for the V
 // padding and torch's FlashAttention-2, the native path for dense padding of every sequence to
-// max_seqlen; varlen pays for neither (issue 10: FlashAttention-4's varlen kernel, the same kind
+// max_seqlen; varlen pays for neither (FlashAttention-4's varlen kernel, the same kind
 // of kernel, ran 2.5x the padded path on RL-ragged batches). min_rows_heads: query rows x query
 // heads below which the fixed cost of a cuDNN launch sequence is not worth it (to be set from
 // GPU measurements; 0 = every ragged batch). verl_ops/_fake.py (_AUTO_VARLEN) mirrors this table.
