@@ -400,28 +400,29 @@ _OPTIONAL_CONFIG = {"moe_router_fusion", "moe_permute_fusion", "persist_layer_no
 
 def build_specs(config, core_attention: str):
     """(decoder block spec, MTP block spec) from megatron-core's local specs with the chosen MLA
-    core attention: ``"verl_ops"`` (``MLACoreAttention`` via ``megatron_mla.install``) or
-    ``"reference"`` (:class:`ReferenceMLACoreAttention`)."""
+    core attention: ``"verl_ops"`` (``MLACoreAttention`` via ``megatron_mla.install``),
+    ``"verl_ops_padded"`` (the same module on ``mla_forward_padded``'s padded backend: torch's
+    FlashAttention kernels on V zero-padded to the query head dim, the kernels verl's own path runs:
+    the accepted bf16 numerics the GPU tests measure against) or ``"reference"``
+    (:class:`ReferenceMLACoreAttention`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
-    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
-    if core_attention == "verl_ops":
-        from verl_ops.integrations import megatron_mla
+    from verl_ops.integrations import megatron_mla
 
-        block = megatron_mla.install(block)
-    elif core_attention == "reference":
-        set_core_attention(block, ReferenceMLACoreAttention)
-    else:
-        raise ValueError(f"core_attention must be 'verl_ops' or 'reference', got {core_attention!r}")
+    backends = {"verl_ops": "auto", "verl_ops_padded": "padded"}
+    if core_attention not in backends and core_attention != "reference":
+        raise ValueError(f"core_attention must be 'verl_ops', 'verl_ops_padded' or 'reference', got {core_attention!r}")
+
+    def put(spec):
+        if core_attention == "reference":
+            set_core_attention(spec, ReferenceMLACoreAttention)
+            return spec
+        return megatron_mla.install(spec, backend=backends[core_attention])
+
+    block = put(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"))
     mtp = None
     if config.mtp_num_layers:
-        mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
-        if core_attention == "verl_ops":
-            from verl_ops.integrations import megatron_mla
-
-            mtp = megatron_mla.install(mtp)
-        else:
-            set_core_attention(mtp, ReferenceMLACoreAttention)
+        mtp = put(get_gpt_mtp_block_spec(config, block, use_transformer_engine=False))
     return block, mtp
 
 

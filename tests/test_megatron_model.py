@@ -65,6 +65,12 @@ STEPS = 3
 # float32 on the CPU: both paths are float32 end to end (attention accumulates in float32 on both).
 # bf16 on a GPU (verl_ops' CUDA attention takes float16 / bfloat16): two attention implementations
 # rounding to bf16 in different places, 3 SGD steps.
+# In bf16 a gradient may differ from the float32-softmax reference by up to this many times what
+# the accepted path (verl's own kernels: FlashAttention on V padded) shows on the same weights and
+# routes: "within bf16 tolerance" of attention numerics, for gradients whose conditioning makes
+# any bf16 attention path far from the reference.
+ACCEPTED_FACTOR = 2.0
+
 TOLERANCES = {
     ("cpu", "float32"): {"metric": "max", "loss": 2e-5, "grad": 2e-5, "param": 2e-5},
     ("cuda", "bfloat16"): {"metric": "norm", "loss": 2e-2, "grad": 5e-2, "param": 1e-2},
@@ -119,7 +125,9 @@ def _grad_report(ours: dict, ref: dict, metric: str) -> dict:
     gradient on one side only."""
     one_sided = sorted(n for n in set(ours) | set(ref) if (ours.get(n) is None) != (ref.get(n) is None))
     errors = {n: _err(ours[n], ref[n], metric) for n in ref if ref[n] is not None and ours.get(n) is not None}
-    return {"errors": errors, "one_sided": one_sided, "no_grad": sorted(n for n in ref if ref[n] is None)}
+    norms = {n: float(ref[n].double().norm()) for n in errors}
+    return {"errors": errors, "norms": norms, "one_sided": one_sided,
+            "no_grad": sorted(n for n in ref if ref[n] is None)}
 
 
 _COMPAT = {}
@@ -210,6 +218,12 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     lib.randomize_expert_bias(ref, seed + 1)
     ours = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed + 7)
     lib.copy_weights(ours, ref)
+    # bf16: the accepted path (verl's kernels: FlashAttention on V padded) measures how far two
+    # accepted bf16 attention paths lie from the reference on the same weights and routes.
+    accepted = None
+    if dtype != torch.float32:
+        accepted = lib.build_model(cfg, "verl_ops_padded", size=size, device=device, seed=seed + 9)
+        lib.copy_weights(accepted, ref)
     report = {
         "megatron_core": _megatron_version(),
         "compat": _compat_report(),
@@ -221,6 +235,7 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     lr = 0.05
     opt_ref = torch.optim.SGD(ref.parameters(), lr=lr)
     opt_ours = torch.optim.SGD(ours.parameters(), lr=lr)
+    opt_accepted = torch.optim.SGD(accepted.parameters(), lr=lr) if accepted is not None else None
     rng = random.Random(seed * 1000 + rank)
     for step in range(steps):
         if device_kind == "cuda":
@@ -255,12 +270,21 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
         entry["objective"] = (mine.objective, got.objective)
         entry["loss_finite"] = bool(torch.isfinite(got.loss_per_token).all() and torch.isfinite(mine.loss_per_token).all())
         entry["grads"] = _grad_report(lib.grads(ours), lib.grads(ref), metric)
+        if accepted is not None:
+            accepted.zero_grad(set_to_none=True)
+            acc = lib.forward_backward(accepted, batch, our_pack, replay=list(targets), device=device)
+            entry["accepted_loss_err"] = _err(acc.loss_per_token, got.loss_per_token, metric)
+            entry["accepted_grads"] = _grad_report(lib.grads(accepted), lib.grads(ref), metric)
+            opt_accepted.step()
         opt_ref.step()
         opt_ours.step()
         report["steps"].append(entry)
     ref_params = dict(ref.named_parameters())
     report["param_errors"] = {n: _err(p.detach().float(), ref_params[n].detach().float(), metric)
                               for n, p in ours.named_parameters()}
+    if accepted is not None:
+        report["accepted_param_errors"] = {n: _err(p.detach().float(), ref_params[n].detach().float(), metric)
+                                           for n, p in accepted.named_parameters()}
     return report
 
 
@@ -306,8 +330,10 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
         got = lib.forward_backward(ref, batch, ref_pack, replay="record", device=device, as_shipped=True)
         routes = merge_router_topk_indices(None, batch.input_ids, got.recorded, cfg1)
         targets, _ = set_router_replay_data(routes, None, cfg1)
-        one = lib.forward_backward(single, batch, our_pack, replay=list(targets), device=device)
-        singles.append((routes, one.loss_per_token, lib.grads(single)))
+        # (Megatron's replay hands the target tensors to the router as they are: copies, so that
+        # nothing a forward does to them reaches the routes kept for the CP run)
+        one = lib.forward_backward(single, batch, our_pack, replay=[t.clone() for t in targets], device=device)
+        singles.append((routes.clone(), one.loss_per_token, lib.grads(single)))
         opt_ref.step()
         opt_single.step()
 
@@ -323,7 +349,7 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     for batch, (routes, loss_single, grads_single) in zip(batches, singles):
         opt.zero_grad(set_to_none=True)
         targets, _ = set_router_replay_data(routes, None, cfg)
-        res = lib.forward_backward(model, batch, our_pack, replay=list(targets), device=device)
+        res = lib.forward_backward(model, batch, our_pack, replay=[t.clone() for t in targets], device=device)
         # the routes this rank replayed, merged back over the CP group: the single-process routes
         merged = merge_router_topk_indices(
             None, batch.input_ids, list(targets), cfg, packed_seq_params=res.packed_seq_params
@@ -368,27 +394,58 @@ def bshd_task(rank, world, device_kind, dtype_name, size_name, seed):
     labels = torch.roll(ids, -1, dims=1)
     weights = (torch.rand(b, s, generator=g) * 2 - 0.5).to(device)
     position_ids = torch.arange(s, device=device).expand(b, s)
-    out = {}
-    for name, model in (("reference", ref), ("verl_ops", ours)):
+    models = [("reference", ref), ("verl_ops", ours)]
+    if dtype != torch.float32:  # the accepted bf16 path (see steps_task)
+        accepted = lib.build_model(cfg, "verl_ops_padded", size=size, device=device, seed=seed + 9)
+        lib.copy_weights(accepted, ref)
+        models.append(("accepted", accepted))
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    out, recorded = {}, None
+    for name, model in models:
         shipped = lib.megatron_as_shipped() if name == "reference" else contextlib.nullcontext()
+        # Routing recorded on the reference and replayed (same token order in BSHD): the paths
+        # differ by their attention only.
+        for i, r in enumerate(lib.routers(model)):
+            r.clear_indices()
+            if recorded is None:
+                r.set_router_replay_action(RouterReplayAction.RECORD)
+            else:
+                r.set_target_indices(recorded[i])
+                r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
         with lib.megatron_device(device), shipped:
             lib.clear_mtp_tracker()
             loss = model(input_ids=ids, position_ids=position_ids, attention_mask=None, labels=labels, loss_mask=mask)
             (loss * weights * mask).sum().backward()
+        if recorded is None:
+            recorded = [r.get_recorded_indices().detach().clone() for r in lib.routers(model)]
+        for r in lib.routers(model):
+            r.clear_indices()
+            r.clear_router_replay_action()
         out[name] = (loss.detach().float(), lib.grads(model))
-    return {
+    report = {
         "megatron_core": _megatron_version(),
         "attention": _mla_core_attention_types(ours),
         "loss_err": _err(out["verl_ops"][0], out["reference"][0], metric),
         "grads": _grad_report(out["verl_ops"][1], out["reference"][1], metric),
     }
+    if "accepted" in out:
+        report["accepted_loss_err"] = _err(out["accepted"][0], out["reference"][0], metric)
+        report["accepted_grads"] = _grad_report(out["accepted"][1], out["reference"][1], metric)
+    return report
 
 
 # --------------------------------------------------------------------------------------------
 # Assertions (in the test process).
 
 
-def _check_grads(what: str, grads: dict, tol: float, metric: str):
+def _bound(tol: float, accepted_err: float | None) -> float:
+    """The error allowed: ``tol``, or, in bf16, twice what the accepted path (verl's kernels) shows
+    against the same reference when that is larger (ill-conditioned gradients)."""
+    return tol if accepted_err is None else max(tol, ACCEPTED_FACTOR * accepted_err)
+
+
+def _check_grads(what: str, grads: dict, tol: float, metric: str, accepted: dict | None = None):
     assert not grads["one_sided"], f"{what}: parameters with a gradient on one side only: {grads['one_sided']}"
     errors = grads["errors"]
     assert errors, f"{what}: no gradient was compared"
@@ -398,9 +455,14 @@ def _check_grads(what: str, grads: dict, tol: float, metric: str):
     assert not [n for n in grads["no_grad"] if ".self_attention." in n or ("mtp" in n and ".experts." not in n)], (
         f"{what}: attention / MTP parameters without a gradient: {grads['no_grad']}"
     )
-    worst = sorted(errors.items(), key=lambda kv: -kv[1])[:5]
-    bad = {n: e for n, e in errors.items() if not e <= tol}
-    assert not bad, f"{what}: {len(bad)} of {len(errors)} gradients differ beyond {metric} {tol:g}; worst {worst}"
+    acc = accepted["errors"] if accepted is not None else {}
+    bounds = {n: _bound(tol, acc.get(n)) for n in errors}
+    bad = {n: e for n, e in errors.items() if not e <= bounds[n]}
+    worst = sorted(bad.items(), key=lambda kv: -kv[1] / bounds[kv[0]])[:5]
+    detail = [(n, f"err {e:.3g}", f"accepted path {acc.get(n, float('nan')):.3g}",
+               f"|ref| {grads.get('norms', {}).get(n, float('nan')):.3g}") for n, e in worst]
+    assert not bad, (f"{what}: {len(bad)} of {len(errors)} gradients differ beyond {metric} {tol:g} "
+                     f"(or {ACCEPTED_FACTOR}x the accepted path's error); worst {detail}")
 
 
 def _device_kind_or_skip(device_kind, dtype_name):
@@ -508,12 +570,14 @@ def test_training_steps_match_reference(case):
                     "the reference on the same weights"
                 )
             assert e["loss_finite"], f"{what}: non-finite loss"
-            assert e["loss_err"] <= tol["loss"], (
-                f"{what}: per-token loss differs: {tol['metric']} error {e['loss_err']:.3g} > {tol['loss']:g} "
+            loss_bound = _bound(tol["loss"], e.get("accepted_loss_err"))
+            assert e["loss_err"] <= loss_bound, (
+                f"{what}: per-token loss differs: {tol['metric']} error {e['loss_err']:.3g} > {loss_bound:g} "
                 f"(objective {e['objective'][0]:.6g} vs reference {e['objective'][1]:.6g})"
             )
-            _check_grads(what, e["grads"], tol["grad"], tol["metric"])
-        bad = {n: v for n, v in rep["param_errors"].items() if not v <= tol["param"]}
+            _check_grads(what, e["grads"], tol["grad"], tol["metric"], e.get("accepted_grads"))
+        acc = rep.get("accepted_param_errors", {})
+        bad = {n: (v, acc.get(n)) for n, v in rep["param_errors"].items() if not v <= _bound(tol["param"], acc.get(n))}
         assert not bad, f"rank {rank}: parameters after {STEPS} steps differ: {bad}"
 
 
@@ -527,10 +591,11 @@ def test_bshd_matches_reference(case):
     for rank, rep in enumerate(_run("gloo", "bshd_task", device_kind, dtype_name, size_name, 23)):
         what = f"{rep['megatron_core']} BSHD rank {rank}"
         assert rep["attention"] == ["MLACoreAttention"] * 3, rep["attention"]
-        assert rep["loss_err"] <= tol["loss"], (
-            f"{what}: per-token loss differs: {tol['metric']} error {rep['loss_err']:.3g} > {tol['loss']:g}"
+        loss_bound = _bound(tol["loss"], rep.get("accepted_loss_err"))
+        assert rep["loss_err"] <= loss_bound, (
+            f"{what}: per-token loss differs: {tol['metric']} error {rep['loss_err']:.3g} > {loss_bound:g}"
         )
-        _check_grads(what, rep["grads"], tol["grad"], tol["metric"])
+        _check_grads(what, rep["grads"], tol["grad"], tol["metric"], rep.get("accepted_grads"))
 
 
 CP_CASES = [
