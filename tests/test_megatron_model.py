@@ -495,6 +495,35 @@ def _check_compat(rep):
         assert after["moe_te_general_gemm"] == "None", f"{v}: moe_utils.te_general_gemm is {after['moe_te_general_gemm']}"
 
 
+def backend_task(rank, world, seed):
+    """The model built with install(spec, backend="padded") (the spec slot then holds a ModuleSpec
+    with the module's keyword arguments): every MLA runs MLACoreAttention with that backend, and on
+    the CPU (where every backend is the same exact attention) its loss equals the default's."""
+    device = _setup_rank(rank, "cpu")
+    lib.init_distributed(1, device)
+    size = lib.SIZES["tiny"]
+    cfg = lib.make_config(size, dtype=torch.float32, device=device)
+    default = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed)
+    padded = lib.build_model(cfg, "verl_ops_padded", size=size, device=device, seed=seed + 1)
+    lib.copy_weights(padded, default)
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    backends = [m.core_attention.backend for m in padded.modules() if isinstance(m, MultiLatentAttention)]
+    batch = lib.make_batch([5, 1, 17], size.vocab, seed, device)
+    pack = lib.verl_ops_pack()
+    a = lib.forward_backward(default, batch, pack, device=device, backward=False)
+    b = lib.forward_backward(padded, batch, pack, device=device, backward=False)
+    return {"types": _mla_core_attention_types(padded), "backends": backends,
+            "err": lib.max_rel_err(b.loss_per_token, a.loss_per_token)}
+
+
+def test_install_with_a_backend_builds_through_a_module_spec():
+    for rep in _run("gloo", "backend_task", 3):
+        assert rep["types"] == ["MLACoreAttention"] * 3, rep
+        assert rep["backends"] == ["padded"] * 3, rep
+        assert rep["err"] <= 1e-5, rep
+
+
 def test_compat_fixes_are_feature_detected(monkeypatch):
     """Each fix of megatron_compat acts only where its defect is (on stand-in modules): the MLA
     module's HAVE_TE with a TELinear that is not a class, moe_utils' names left unbound without

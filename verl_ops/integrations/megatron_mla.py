@@ -451,11 +451,14 @@ def use_in_spec(spec, *, cp_layout: str = "zigzag", backend: str = "auto") -> in
     reachable from ``spec`` (a layer spec, a ``TransformerBlockSubmodules``, an MTP block spec,
     or lists of them). Returns how many slots were set (0: no MLA in the spec)."""
     import dataclasses
-    import functools
 
     core = MLACoreAttention
     if (cp_layout, backend) != ("zigzag", "auto"):
-        core = functools.partial(MLACoreAttention, cp_layout=cp_layout, backend=backend)
+        # Megatron builds a slot from a class or a ModuleSpec (whose params become keyword
+        # arguments), not from any callable.
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        core = ModuleSpec(module=MLACoreAttention, params={"cp_layout": cp_layout, "backend": backend})
     seen, count = set(), 0
 
     def walk(obj):
