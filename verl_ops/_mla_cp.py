@@ -18,9 +18,9 @@ Why all-gather and not a ring: docs/megatron.md#context-parallel (one collective
 one fused attention call per rank; the ring needs ``cp`` calls and log-sum-exp merges per layer;
 benchmarks/megatron/bench_mla_cp.py measures both).
 
-Collectives: every rank of the group issues the same ones (a 4-byte status all-reduce and two
-all-gathers forward; two all-gathers and two reduce-scatters backward) whatever its data or what it remembers, an
-empty shard included; the status exchange makes every rank raise when one rank's input is bad,
+Collectives: every rank of the group issues the same ones (a 4-byte status all-reduce, then the
+all-gathers or the ring's exchanges, forward and backward) whatever its data or what it remembers,
+an empty shard included; the status exchange makes every rank raise when one rank's input is bad,
 instead of some ranks waiting in the all-gather. The plan (index and offsets) is built once per
 offsets tensor, with one host read of the offsets.
 """
@@ -70,6 +70,12 @@ def _reduce_scatter(x: torch.Tensor, group, size: int) -> torch.Tensor:
     return out
 
 
+def _keep(ctx, q, k, v, out, lse, plan, group, cp, scale, backend_code):
+    """What both communications keep for the backward: this rank's tensors only."""
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.meta = (plan, group, cp, scale, backend_code)
+
+
 class _AllGatherAttention(torch.autograd.Function):
     """All-gather K / V, attend this rank's query segments to their key prefixes (one varlen call),
     and the adjoint. Only this rank's q, k, v, out and lse are kept for the backward, which
@@ -82,8 +88,7 @@ class _AllGatherAttention(torch.autograd.Function):
         out, lse = _ops.mla_forward_padded(
             q, k_seg, v_seg, plan.cu_q, plan.cu_kv, plan.max_q, plan.max_kv, True, scale, backend_code
         )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.meta = (plan, group, cp, scale, backend_code)
+        _keep(ctx, q, k, v, out, lse, plan, group, cp, scale, backend_code)
         return out
 
     @staticmethod
@@ -93,12 +98,32 @@ class _AllGatherAttention(torch.autograd.Function):
         k_all = _all_gather(k, group, cp)
         v_all = _all_gather(v, group, cp)
         dq, dk_seg, dv_seg = _ops.mla_backward_padded(
-            grad_out.contiguous(), q, k_all.index_select(0, plan.kv_index), v_all.index_select(0, plan.kv_index),
-            out, lse, plan.cu_q, plan.cu_kv, plan.max_q, plan.max_kv, True, scale, backend_code,
+            grad_out.contiguous(),
+            q,
+            k_all.index_select(0, plan.kv_index),
+            v_all.index_select(0, plan.kv_index),
+            out,
+            lse,
+            plan.cu_q,
+            plan.cu_kv,
+            plan.max_q,
+            plan.max_kv,
+            True,
+            scale,
+            backend_code,
         )
         dk_all = torch.zeros_like(k_all).index_add_(0, plan.kv_index, dk_seg)
         dv_all = torch.zeros_like(v_all).index_add_(0, plan.kv_index, dv_seg)
-        return dq, _reduce_scatter(dk_all, group, cp), _reduce_scatter(dv_all, group, cp), None, None, None, None, None
+        return (
+            dq,
+            _reduce_scatter(dk_all, group, cp),
+            _reduce_scatter(dv_all, group, cp),
+            None,
+            None,
+            None,
+            None,
+            None,
+        )
 
 
 def _exchange(sends, recvs, group, cp, rank):
@@ -161,25 +186,52 @@ class _RingAttention(torch.autograd.Function):
                 nxt = (torch.empty_like(kb), torch.empty_like(vb))
                 reqs = _exchange((kb, vb), nxt, group, cp, rank)
             if kind == "self":
-                o, lse = _ops.mla_forward_padded(q, kb, vb, plan.cu_local, plan.cu_local, plan.max_local,
-                                                 plan.max_local, True, scale, backend_code)
+                o, lse = _ops.mla_forward_padded(
+                    q,
+                    kb,
+                    vb,
+                    plan.cu_local,
+                    plan.cu_local,
+                    plan.max_local,
+                    plan.max_local,
+                    True,
+                    scale,
+                    backend_code,
+                )
                 _merge(out_acc, lse_acc, o, lse)
             elif kind == "low":
                 o, lse = _ops.mla_forward_padded(
-                    q, kb.index_select(0, plan.first), vb.index_select(0, plan.first), plan.cu_local, plan.cu_chunk,
-                    plan.max_local, plan.max_chunk, False, scale, backend_code)
+                    q,
+                    kb.index_select(0, plan.first),
+                    vb.index_select(0, plan.first),
+                    plan.cu_local,
+                    plan.cu_chunk,
+                    plan.max_local,
+                    plan.max_chunk,
+                    False,
+                    scale,
+                    backend_code,
+                )
                 _merge(out_acc, lse_acc, o, lse)
             else:
                 o, lse = _ops.mla_forward_padded(
-                    q.index_select(0, plan.second), kb, vb, plan.cu_chunk, plan.cu_local, plan.max_chunk,
-                    plan.max_local, False, scale, backend_code)
+                    q.index_select(0, plan.second),
+                    kb,
+                    vb,
+                    plan.cu_chunk,
+                    plan.cu_local,
+                    plan.max_chunk,
+                    plan.max_local,
+                    False,
+                    scale,
+                    backend_code,
+                )
                 _merge(out_acc, lse_acc, o, lse, plan.second)
             _wait(reqs)
             if nxt is not None:
                 kb, vb = nxt
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.meta = (plan, group, cp, scale, backend_code)
+        _keep(ctx, q, k, v, out, lse_acc, plan, group, cp, scale, backend_code)
         return out
 
     @staticmethod
@@ -197,22 +249,58 @@ class _RingAttention(torch.autograd.Function):
                 nxt = (torch.empty_like(kb), torch.empty_like(vb))
                 reqs = _exchange((kb, vb), nxt, group, cp, rank)
             if kind == "self":
-                dq_p, dk_p, dv_p = _ops.mla_backward_padded(dout, q, kb, vb, out, lse, plan.cu_local, plan.cu_local,
-                                                            plan.max_local, plan.max_local, True, scale, backend_code)
+                dq_p, dk_p, dv_p = _ops.mla_backward_padded(
+                    dout,
+                    q,
+                    kb,
+                    vb,
+                    out,
+                    lse,
+                    plan.cu_local,
+                    plan.cu_local,
+                    plan.max_local,
+                    plan.max_local,
+                    True,
+                    scale,
+                    backend_code,
+                )
                 dq.add_(dq_p)
             elif kind == "low":
                 dq_p, dkf, dvf = _ops.mla_backward_padded(
-                    dout, q, kb.index_select(0, plan.first), vb.index_select(0, plan.first), out, lse, plan.cu_local,
-                    plan.cu_chunk, plan.max_local, plan.max_chunk, False, scale, backend_code)
+                    dout,
+                    q,
+                    kb.index_select(0, plan.first),
+                    vb.index_select(0, plan.first),
+                    out,
+                    lse,
+                    plan.cu_local,
+                    plan.cu_chunk,
+                    plan.max_local,
+                    plan.max_chunk,
+                    False,
+                    scale,
+                    backend_code,
+                )
                 dq.add_(dq_p)
                 dk_p = torch.zeros_like(kb).index_copy_(0, plan.first, dkf)
                 dv_p = torch.zeros_like(vb).index_copy_(0, plan.first, dvf)
             else:
                 second = plan.second
                 dq_p, dk_p, dv_p = _ops.mla_backward_padded(
-                    dout.index_select(0, second), q.index_select(0, second), kb, vb, out.index_select(0, second),
-                    lse.index_select(1, second).contiguous(), plan.cu_chunk, plan.cu_local, plan.max_chunk,
-                    plan.max_local, False, scale, backend_code)
+                    dout.index_select(0, second),
+                    q.index_select(0, second),
+                    kb,
+                    vb,
+                    out.index_select(0, second),
+                    lse.index_select(1, second).contiguous(),
+                    plan.cu_chunk,
+                    plan.cu_local,
+                    plan.max_chunk,
+                    plan.max_local,
+                    False,
+                    scale,
+                    backend_code,
+                )
                 dq.index_add_(0, second, dq_p.to(dq.dtype))
             if acc_in is not None:  # this block's accumulator, from the previous rank
                 _wait(acc_reqs)
@@ -275,8 +363,13 @@ class CpPlan:
         chunk = torch.div(p, c_row.clamp(min=1), rounding_mode="floor")
         second = chunk >= cp  # chunks cp .. 2 cp - 1 sit second on rank 2 cp - 1 - chunk
         owner = torch.where(second, 2 * cp - 1 - chunk, chunk)
-        kv_index = (owner * self.local_rows + torch.repeat_interleave(seg_start, seg_kv)
-                    + second.long() * c_row + p - chunk * c_row)
+        kv_index = (
+            owner * self.local_rows
+            + torch.repeat_interleave(seg_start, seg_kv)
+            + second.long() * c_row
+            + p
+            - chunk * c_row
+        )
         return seg_c, seg_kv, kv_index
 
     def _contiguous(self, cu, cp, rank):
@@ -304,7 +397,10 @@ def _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) -> str:
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return f"{OP}: q, k, v must be [t, n, d], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
-        return f"{OP}: q, k, v must have the same rows (this rank's shard), got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}"
+        return (
+            f"{OP}: q, k, v must have the same rows (this rank's shard), got {q.shape[0]}, {k.shape[0]}, "
+            f"{v.shape[0]}"
+        )
     if k.shape[1] != v.shape[1] or q.shape[1] % max(k.shape[1], 1) != 0:
         return f"{OP}: heads of q / k / v do not match: {q.shape[1]}, {k.shape[1]}, {v.shape[1]}"
     if k.shape[2] != q.shape[2] or v.shape[2] > q.shape[2]:
@@ -340,7 +436,9 @@ def _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, group) -> CpPlan:
     key = (cp, rank, cp_layout, str(q.device), cu_seqlens_padded._version)
     cached = getattr(cu_seqlens_padded, _PLAN_ATTR, None)
     fresh = cached is None or cached.key != key
-    error = _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) if fresh else _shard_error(q, k, v, cached)
+    error = (
+        _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) if fresh else _shard_error(q, k, v, cached)
+    )
     # Status exchange on every call, whatever a rank remembers from earlier calls: every rank
     # learns whether any rank's arguments are bad, so all raise together rather than some
     # waiting in the all-gather. (One 4-byte all-reduce per call.)
@@ -350,7 +448,9 @@ def _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, group) -> CpPlan:
     if error:
         raise ValueError(error)
     if int(status.item()):
-        raise ValueError(f"{OP}: another rank of the CP group got bad arguments (see its error); this rank's are fine")
+        raise ValueError(
+            f"{OP}: another rank of the CP group got bad arguments (see its error); this rank's are fine"
+        )
     if not fresh:
         return cached
     plan = CpPlan(cu_seqlens_padded, cp, rank, cp_layout, q.device)
@@ -422,7 +522,9 @@ def mla_cp_attention(
     if cp_comm_type not in CP_COMM_TYPES:
         raise ValueError(f"{OP}: cp_comm_type must be one of {CP_COMM_TYPES}, got {cp_comm_type!r}")
     if cp_comm_type == "p2p" and cp_layout != "zigzag":
-        raise ValueError(f"{OP}: cp_comm_type 'p2p' (the ring) takes the zigzag layout only, got {cp_layout!r}")
+        raise ValueError(
+            f"{OP}: cp_comm_type 'p2p' (the ring) takes the zigzag layout only, got {cp_layout!r}"
+        )
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
     cp, rank = group_size_rank(cp_group)
@@ -432,7 +534,16 @@ def mla_cp_attention(
             max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
         cu32 = cu_seqlens_padded.to(device=q.device, dtype=torch.int32)
         return mla_forward_padded(
-            q, k, v, cu32, cu32, max_seqlen, max_seqlen, causal=True, softmax_scale=softmax_scale, backend=backend
+            q,
+            k,
+            v,
+            cu32,
+            cu32,
+            max_seqlen,
+            max_seqlen,
+            causal=True,
+            softmax_scale=softmax_scale,
+            backend=backend,
         )
     plan = _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, cp_group)
     impl = _RingAttention if cp_comm_type == "p2p" else _AllGatherAttention

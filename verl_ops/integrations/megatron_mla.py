@@ -252,7 +252,7 @@ def _cp_group_of(packed_seq_params, pg_collection):
             from megatron.core import parallel_state
 
             group = parallel_state.get_context_parallel_group(check_initialized=False)
-        except Exception:  # not initialised (single process): no context parallelism
+        except Exception:  # noqa: BLE001  (not initialised, single process: no context parallelism)
             group = None
     return group
 
