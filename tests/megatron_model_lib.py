@@ -327,6 +327,7 @@ def make_config(
     cp_size: int = 1,
     mtp: bool = True,
     routing_replay: bool = True,
+    dispatcher: str | None = None,
 ):
     """The model's ``MLATransformerConfig``: 2 layers (dense, then MoE), MLA with rope, sigmoid
     top-k router with expert bias and a shared expert, ``mtp_num_layers=1`` when ``mtp``."""
@@ -361,7 +362,7 @@ def make_config(
         moe_aux_loss_coeff=0.0,
         moe_enable_routing_replay=routing_replay,
         # (the all-to-all dispatcher creates a CUDA stream in its constructor)
-        moe_token_dispatcher_type="alltoall" if torch.device(device).type == "cuda" else "allgather",
+        moe_token_dispatcher_type=dispatcher or ("alltoall" if torch.device(device).type == "cuda" else "allgather"),
         moe_grouped_gemm=False,
         mtp_num_layers=1 if mtp else None,
         mtp_loss_scaling_factor=0.3,

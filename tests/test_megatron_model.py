@@ -199,6 +199,22 @@ def _routes_values(routes) -> torch.Tensor:
     return (routes.values() if routes.is_nested else routes).cpu()
 
 
+def _first_route_mismatch(got, want) -> str:
+    """Where two per-sequence route tensors first differ (sequence, position, layer), for failure
+    messages; '' when equal."""
+    a, b = _routes_values(got), _routes_values(want)
+    if a.shape != b.shape:
+        return f"shapes {tuple(a.shape)} vs {tuple(b.shape)}"
+    bad = (a.long() != b.long()).flatten(1).any(dim=1).nonzero().flatten()
+    if not bad.numel():
+        return ""
+    row = int(bad[0])
+    offsets = want.offsets().cpu().tolist() if want.is_nested else None
+    seq = next(i for i in range(len(offsets) - 1) if offsets[i + 1] > row) if offsets else None
+    where = f"sequence {seq} position {row - offsets[seq]}" if offsets else f"row {row}"
+    return f"{bad.numel()} rows differ, first at {where}: {a[row].tolist()} vs {b[row].tolist()}"
+
+
 # --------------------------------------------------------------------------------------------
 # Rank tasks.
 
@@ -288,7 +304,7 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     return report
 
 
-def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
+def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps, dispatcher=None):
     """CP = 2 (this pool's 2 ranks): verl_ops' model with context_parallel_size=2 against the same
     model in one process (run on each rank before), ``steps`` SGD steps from the same weights."""
     import torch.distributed as dist
@@ -314,7 +330,7 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     # One process (model-parallel state with CP = 1 on each rank): the reference routes the batch
     # (RECORD), verl_ops' model replays it.
     lib.init_distributed(1, device)
-    cfg1 = lib.make_config(size, dtype=dtype, device=device, cp_size=1)
+    cfg1 = lib.make_config(size, dtype=dtype, device=device, cp_size=1, dispatcher=dispatcher)
     ref = lib.build_model(cfg1, "reference", size=size, device=device, seed=seed)
     lib.randomize_expert_bias(ref, seed + 1)
     single = lib.build_model(cfg1, "verl_ops", size=size, device=device, seed=seed)
@@ -340,7 +356,7 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     # CP = 2: the same weights; the single-process routes scattered to this rank's rows.
     lib.init_distributed(cp, device)
     assert parallel_state.get_context_parallel_world_size() == cp
-    cfg = lib.make_config(size, dtype=dtype, device=device, cp_size=cp)
+    cfg = lib.make_config(size, dtype=dtype, device=device, cp_size=cp, dispatcher=dispatcher)
     model = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed + 3)
     lib.copy_weights(model, initial)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
@@ -362,6 +378,8 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
             "lengths": batch.lengths,
             "local_rows": int(res.packed_seq_params.cu_seqlens_q_padded[-1]) // cp,
             "routes_equal": bool(torch.equal(_routes_values(merged), _routes_values(routes))),
+            "routes_mismatch": _first_route_mismatch(merged, routes),
+            "targets_rows": [int(t.shape[0]) for t in targets],
             "loss_err": _err(res.loss_per_token, loss_single, metric),
             "loss_finite": bool(torch.isfinite(res.loss_per_token).all()),
             "grads": _grad_report(lib.grads(model), grads_single, metric),
@@ -628,18 +646,22 @@ def test_bshd_matches_reference(case):
 
 
 CP_CASES = [
-    pytest.param(("gloo", "cpu", "float32", "tiny"), id="gloo-cpu-float32-tiny"),
-    pytest.param(("nccl", "cuda", "bfloat16", "real"), id="nccl-cuda-bfloat16-real", marks=pytest.mark.gpu),
+    pytest.param(("gloo", "cpu", "float32", "tiny", None), id="gloo-cpu-float32-tiny"),
+    pytest.param(("nccl", "cuda", "bfloat16", "real", None), id="nccl-cuda-bfloat16-real", marks=pytest.mark.gpu),
+    # The all-gather MoE dispatcher (the CPU case's) on GPUs: separates megatron-core's all-to-all
+    # dispatcher under CP from the rest of the path.
+    pytest.param(("nccl", "cuda", "bfloat16", "real", "allgather"), id="nccl-cuda-bfloat16-real-allgather",
+                 marks=pytest.mark.gpu),
 ]
 
 
 @pytest.mark.parametrize("case", CP_CASES)
 def test_context_parallel_matches_single_process(case):
-    """context_parallel_size=2 on 2 ranks (zigzag THD from the drop-ins, MLACoreAttention's K / V
-    all-gather, Megatron's CP rope and MTP roll): per-token loss and every gradient (summed over
+    """context_parallel_size=2 on 2 ranks (zigzag THD from the drop-ins, MLACoreAttention under
+    CP, Megatron's CP rope and MTP roll): per-token loss and every gradient (summed over
     the CP ranks) equal the single-process model's, 2 SGD steps, routing replayed from the
     single-process record; the routes each rank replayed merge back to the recorded ones."""
-    backend, device_kind, dtype_name, size_name = case
+    backend, device_kind, dtype_name, size_name, dispatcher = case
     _device_kind_or_skip(device_kind, dtype_name)
     if backend == "nccl":
         import torch.distributed as dist
@@ -649,12 +671,15 @@ def test_context_parallel_matches_single_process(case):
         if not dist.is_nccl_available():
             pytest.skip("torch was built without NCCL")
     tol = TOLERANCES[(device_kind, dtype_name)]
-    reports = _run(backend, "cp_task", device_kind, dtype_name, size_name, 5, 2)
+    reports = _run(backend, "cp_task", device_kind, dtype_name, size_name, 5, 2, dispatcher)
     for rank, rep in enumerate(reports):
         assert rep["attention"] == ["MLACoreAttention"] * 3, rep["attention"]
         for step, e in enumerate(rep["steps"]):
             what = f"{rep['megatron_core']} cp=2 rank {rank} step {step} lengths {e['lengths']}"
-            assert e["routes_equal"], f"{what}: the routes replayed on the CP ranks do not merge back to the recorded ones"
+            assert e["routes_equal"], (
+                f"{what}: the routes replayed on the CP ranks do not merge back to the recorded ones: "
+                f"{e['routes_mismatch']} (targets rows {e['targets_rows']}, local rows {e['local_rows']})"
+            )
             assert e["loss_finite"], f"{what}: non-finite loss"
             assert e["loss_err"] <= tol["loss"], (
                 f"{what}: per-token loss differs from the single process: {tol['metric']} error "
