@@ -49,6 +49,12 @@ def group_size_rank(group) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
+def longest_sequence(cu_seqlens: torch.Tensor) -> int:
+    """The longest sequence of the offsets ``cu_seqlens`` (a host read)."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+
+
 def _all_gather(x: torch.Tensor, group, size: int) -> torch.Tensor:
     """``[t, ...]`` on each rank -> ``[size * t, ...]``, rank-major."""
     x = x.contiguous()
@@ -320,8 +326,9 @@ class CpPlan:
     """Varlen offsets of this rank's query segments and the index of their key prefixes in the
     all-gathered K / V (built on the host, moved to the device once)."""
 
-    def __init__(self, cu_seqlens_padded: torch.Tensor, cp: int, rank: int, cp_layout: str, device):
-        cu = cu_seqlens_padded.detach().to("cpu", torch.int64)
+    def __init__(self, cu_seqlens_padded: torch.Tensor, cu: torch.Tensor, cp: int, rank: int, cp_layout: str,
+                 device):
+        # cu: cu_seqlens_padded read to the host (int64), already checked
         self.local_rows = int(cu[-1]) // cp
         if cp_layout == "zigzag":
             seg_q, seg_kv, kv_index = self._zigzag(cu, cp, rank)
@@ -392,8 +399,8 @@ def _positions_in_segments(lengths: torch.Tensor) -> torch.Tensor:
     return torch.arange(int(lengths.sum()), dtype=torch.int64) - torch.repeat_interleave(first, lengths)
 
 
-def _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) -> str:
-    """The first problem with this rank's arguments, or ''. Called before the status exchange."""
+def _tensor_error(q, k, v, rows: int | None = None, shard: str = "") -> str:
+    """The first problem with q / k / v (and, given, their row count against the shard's), or ''."""
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return f"{OP}: q, k, v must be [t, n, d], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -407,11 +414,18 @@ def _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) -> str:
         return f"{OP}: head dims must be q == k >= v, got q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]}"
     if not (q.dtype == k.dtype == v.dtype):
         return f"{OP}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    if cu_seqlens_padded.dim() != 1 or cu_seqlens_padded.numel() < 1:
-        return f"{OP}: cu_seqlens_padded must be [B + 1], got shape {tuple(cu_seqlens_padded.shape)}"
-    if cu_seqlens_padded.dtype not in (torch.int32, torch.int64):
+    if rows is not None and q.shape[0] != rows:
+        return f"{OP}: q has {q.shape[0]} rows, but this rank's shard of cu_seqlens_padded{shard} has {rows}"
+    return ""
+
+
+def _offsets_error(cu_seqlens_padded, cu, cp, cp_layout) -> str:
+    """The first problem with the offsets (``cu``: their host copy, or None when they are not a
+    1-D integer tensor), or ''."""
+    if cu is None:
+        if cu_seqlens_padded.dim() != 1 or cu_seqlens_padded.numel() < 1:
+            return f"{OP}: cu_seqlens_padded must be [B + 1], got shape {tuple(cu_seqlens_padded.shape)}"
         return f"{OP}: cu_seqlens_padded must be int32, got {cu_seqlens_padded.dtype}"
-    cu = cu_seqlens_padded.detach().to("cpu", torch.int64)
     lengths = cu[1:] - cu[:-1]
     if int(cu[0]) != 0 or bool((lengths < 0).any()):
         return f"{OP}: cu_seqlens_padded must start at 0 and be non-decreasing, got {cu.tolist()}"
@@ -424,21 +438,36 @@ def _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) -> str:
             f"{OP}: cu_seqlens_padded: sequence {i} has padded length {int(lengths[i])}, not a multiple "
             f"of {align} ({cp_layout} layout over {cp} CP ranks; docs/layout.md#alignment)"
         )
-    if int(cu[-1]) // cp != q.shape[0]:
-        return (
-            f"{OP}: q has {q.shape[0]} rows, but this rank's shard of cu_seqlens_padded (total "
-            f"{int(cu[-1])} over {cp} CP ranks) has {int(cu[-1]) // cp}"
-        )
     return ""
+
+
+def _host_offsets(cu_seqlens_padded):
+    """The offsets read to the host as int64, or None when they are not a 1-D int32 / int64 tensor
+    with at least one entry."""
+    if (
+        cu_seqlens_padded.dim() != 1
+        or cu_seqlens_padded.numel() < 1
+        or cu_seqlens_padded.dtype not in (torch.int32, torch.int64)
+    ):
+        return None
+    return cu_seqlens_padded.detach().to("cpu", torch.int64)
 
 
 def _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, group) -> CpPlan:
     key = (cp, rank, cp_layout, str(q.device), cu_seqlens_padded._version)
     cached = getattr(cu_seqlens_padded, _PLAN_ATTR, None)
     fresh = cached is None or cached.key != key
-    error = (
-        _local_error(q, k, v, cu_seqlens_padded, cp, cp_layout) if fresh else _shard_error(q, k, v, cached)
-    )
+    cu = None
+    if fresh:
+        error = _tensor_error(q, k, v)
+        if not error:
+            cu = _host_offsets(cu_seqlens_padded)  # the one host read of a new plan
+            total = int(cu[-1]) if cu is not None else 0
+            error = _offsets_error(cu_seqlens_padded, cu, cp, cp_layout) or _tensor_error(
+                q, k, v, total // cp, f" (total {total} over {cp} CP ranks)"
+            )
+    else:
+        error = _tensor_error(q, k, v, cached.local_rows)
     # Status exchange on every call, whatever a rank remembers from earlier calls: every rank
     # learns whether any rank's arguments are bad, so all raise together rather than some
     # waiting in the all-gather. (One 4-byte all-reduce per call.)
@@ -453,30 +482,12 @@ def _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, group) -> CpPlan:
         )
     if not fresh:
         return cached
-    plan = CpPlan(cu_seqlens_padded, cp, rank, cp_layout, q.device)
+    plan = CpPlan(cu_seqlens_padded, cu, cp, rank, cp_layout, q.device)
     try:
         setattr(cu_seqlens_padded, _PLAN_ATTR, plan)
     except (AttributeError, RuntimeError):  # e.g. a tensor subclass that takes no attributes
         pass
     return plan
-
-
-def _shard_error(q, k, v, plan: CpPlan) -> str:
-    """The checks of :func:`_local_error` that do not read the (already checked) offsets."""
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        return f"{OP}: q, k, v must be [t, n, d], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-    if not (q.shape[0] == k.shape[0] == v.shape[0] == plan.local_rows):
-        return (
-            f"{OP}: q, k, v have {q.shape[0]}, {k.shape[0]}, {v.shape[0]} rows, but this rank's shard of "
-            f"cu_seqlens_padded has {plan.local_rows}"
-        )
-    if k.shape[1] != v.shape[1] or q.shape[1] % max(k.shape[1], 1) != 0:
-        return f"{OP}: heads of q / k / v do not match: {q.shape[1]}, {k.shape[1]}, {v.shape[1]}"
-    if k.shape[2] != q.shape[2] or v.shape[2] > q.shape[2]:
-        return f"{OP}: head dims must be q == k >= v, got q {q.shape[2]}, k {k.shape[2]}, v {v.shape[2]}"
-    if not (q.dtype == k.dtype == v.dtype):
-        return f"{OP}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
-    return ""
 
 
 def mla_cp_attention(
@@ -497,7 +508,7 @@ def mla_cp_attention(
     Args:
         q, k: ``[t_local, n, Dqk]``; v: ``[t_local, n, Dv]`` with ``Dv <= Dqk`` (this rank's shard).
         cu_seqlens_padded: int32 ``[B + 1]``, the global padded offsets (each padded length a
-            multiple of ``2 * cp`` for zigzag; the total a multiple of ``cp`` for contiguous), any
+            multiple of ``2 * cp`` for zigzag, of ``cp`` for contiguous: the layout rules), any
             device.
         max_seqlen: the longest padded sequence (used only without CP, where ``None`` reads it;
             under CP the plan computes its segments' lengths from the offsets).
@@ -530,8 +541,7 @@ def mla_cp_attention(
     cp, rank = group_size_rank(cp_group)
     if cp == 1:
         if max_seqlen is None:
-            cu = cu_seqlens_padded.detach().cpu().long()
-            max_seqlen = int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
+            max_seqlen = longest_sequence(cu_seqlens_padded)
         cu32 = cu_seqlens_padded.to(device=q.device, dtype=torch.int32)
         return mla_forward_padded(
             q,

@@ -133,8 +133,8 @@ def _megatron_core_attention(original, config, query, key, value, *args, packed_
         core.hidden_size_per_attention_head_v = dqk
     try:
         out = original(
-            query, key, torch.nn.functional.pad(value, (0, dqk - dv)), *args, packed_seq_params=packed_seq_params,
-            **kwargs,
+            query, key, torch.nn.functional.pad(value, (0, dqk - dv)), *args,
+            packed_seq_params=packed_seq_params, **kwargs,
         )
     finally:
         if saved is not None:
@@ -257,11 +257,6 @@ def _cp_group_of(packed_seq_params, pg_collection):
     return group
 
 
-def _host_max(cu: torch.Tensor) -> int:
-    cu = cu.detach().to("cpu", torch.int64)
-    return int((cu[1:] - cu[:-1]).max()) if cu.numel() > 1 else 0
-
-
 class MLACoreAttention(torch.nn.Module):
     """Causal MLA core attention for Megatron-Core layer specs, with the value head dim kept
     native (192 / 128: no pad of V, no trim of the output).
@@ -319,7 +314,9 @@ class MLACoreAttention(torch.nn.Module):
         self.cp_comm_type = cp_comm_type
         self.pg_collection = pg_collection
         if cp_layout not in ("zigzag", "contiguous"):
-            raise ValueError(f"MLACoreAttention: cp_layout must be 'zigzag' or 'contiguous', got {cp_layout!r}")
+            raise ValueError(
+                f"MLACoreAttention: cp_layout must be 'zigzag' or 'contiguous', got {cp_layout!r}"
+            )
         self.cp_layout = cp_layout
         self.backend = backend
         self.current_max_attn_logits = None
@@ -350,7 +347,9 @@ class MLACoreAttention(torch.nn.Module):
         """Megatron's ``cp_comm_type`` for this layer: ``"p2p"`` (its default) runs the ring on the
         zigzag layout; ``"all_gather"``, the contiguous layout and every other type (``"a2a"``,
         ``"a2a+p2p"``) run the all-gather."""
-        comm = self.cp_comm_type if self.cp_comm_type is not None else getattr(self.config, "cp_comm_type", None)
+        comm = self.cp_comm_type
+        if comm is None:
+            comm = getattr(self.config, "cp_comm_type", None)
         if isinstance(comm, (list, tuple)):  # one entry per layer
             comm = comm[(self.layer_number - 1) % len(comm)] if comm else None
         return "p2p" if comm in (None, "p2p") and cp_layout == "zigzag" else "all_gather"
@@ -371,7 +370,7 @@ class MLACoreAttention(torch.nn.Module):
         packed_seq_params=None,
         **extra,
     ):
-        from .._mla_cp import mla_cp_attention
+        from .._mla_cp import group_size_rank, longest_sequence, mla_cp_attention
 
         self._check(attn_mask_type)
         if attention_bias is not None:
@@ -393,14 +392,19 @@ class MLACoreAttention(torch.nn.Module):
             cu_kv = getattr(packed_seq_params, "cu_seqlens_kv_padded", None)
             if cu_kv is None:
                 cu_kv = packed_seq_params.cu_seqlens_kv
-            if cu_kv is not None and cu_kv is not cu and not torch.equal(cu_kv.to(cu.device), cu):
+            # (compared once per pair of offsets tensors: every layer of the micro-batch reuses it)
+            if cu_kv is not None and cu_kv is not cu and not _cached_on(
+                cu, _SAME_KV_ATTR, (id(cu_kv), cu_kv._version), lambda: torch.equal(cu_kv.to(cu.device), cu)
+            ):
                 raise ValueError("MLACoreAttention: self-attention needs the same q and kv offsets")
-            max_seqlen = getattr(packed_seq_params, "max_seqlen_q", None)
-            if max_seqlen is not None and not isinstance(max_seqlen, int):
+            max_seqlen = None  # under CP the plan derives its segments from the offsets
+            if group_size_rank(group)[0] == 1:
+                max_seqlen = getattr(packed_seq_params, "max_seqlen_q", None)
+                if max_seqlen is None or getattr(packed_seq_params, "cu_seqlens_q_padded", None) is not None:
+                    # The padded offsets' longest sequence may exceed max_seqlen_q (the real
+                    # lengths'): one host read per offsets tensor, shared by every layer.
+                    max_seqlen = _cached_on(cu, _MAX_ATTR, None, lambda: longest_sequence(cu))
                 max_seqlen = int(max_seqlen)
-            if max_seqlen is None or getattr(packed_seq_params, "cu_seqlens_q_padded", None) is not None:
-                # The padded offsets' longest sequence may exceed max_seqlen_q (the real lengths').
-                max_seqlen = _cached_max(cu)
             out = mla_cp_attention(
                 query, key, value, cu, max_seqlen, cp_group=group, cp_layout=self.cp_layout,
                 softmax_scale=scale, backend=self.backend, cp_comm_type=self._comm(self.cp_layout),
@@ -409,8 +413,6 @@ class MLACoreAttention(torch.nn.Module):
         if query.dim() != 4:
             raise ValueError(f"MLACoreAttention: BSHD query must be [s, b, n, d], got {tuple(query.shape)}")
         s, b, n = query.shape[0], query.shape[1], query.shape[2]
-        from .._mla_cp import group_size_rank
-
         cp, _ = group_size_rank(group)
 
         def rows(x):  # [s, b, h, d] -> [b * s, h, d], sequence-major
@@ -427,19 +429,7 @@ class MLACoreAttention(torch.nn.Module):
 
 
 _MAX_ATTR = "_verl_ops_max_seqlen"
-
-
-def _cached_max(cu: torch.Tensor) -> int:
-    """The longest sequence of ``cu`` (one host read per offsets tensor, reused by every layer)."""
-    cached = getattr(cu, _MAX_ATTR, None)
-    if cached is not None and cached[0] == cu._version:
-        return cached[1]
-    value = _host_max(cu)
-    try:
-        setattr(cu, _MAX_ATTR, (cu._version, value))
-    except (AttributeError, RuntimeError):
-        pass
-    return value
+_SAME_KV_ATTR = "_verl_ops_same_kv_offsets"
 
 
 def _is_mla_submodules(obj) -> bool:
