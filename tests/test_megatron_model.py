@@ -224,11 +224,11 @@ def _first_route_mismatch(got, want) -> str:
 # Rank tasks.
 
 
-def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
-    """``steps`` SGD steps of verl_ops' path and the reference from the same weights on this rank's
-    batches (seed + rank); returns per-step errors (see test_training_steps_match_reference)."""
-    from verl_ops.integrations.verl_router import merge_router_topk_indices, set_router_replay_data
-
+def _one_process_models(rank, device_kind, dtype_name, size_name, seed):
+    """One process (CP = 1): the reference model (expert biases randomised), verl_ops' model with
+    its weights and, in bf16, the accepted path (verl's kernels: FlashAttention on V padded), which
+    measures how far an accepted bf16 attention path lies from the reference on the same weights
+    and routes. Returns (device, dtype, metric, size, config, reference, verl_ops, accepted or None)."""
     device = _setup_rank(rank, device_kind)
     dtype = getattr(torch, dtype_name)
     metric = TOLERANCES[(device_kind, dtype_name)]["metric"]
@@ -239,12 +239,21 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
     lib.randomize_expert_bias(ref, seed + 1)
     ours = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed + 7)
     lib.copy_weights(ours, ref)
-    # bf16: the accepted path (verl's kernels: FlashAttention on V padded) measures how far two
-    # accepted bf16 attention paths lie from the reference on the same weights and routes.
     accepted = None
     if dtype != torch.float32:
         accepted = lib.build_model(cfg, "verl_ops_padded", size=size, device=device, seed=seed + 9)
         lib.copy_weights(accepted, ref)
+    return device, dtype, metric, size, cfg, ref, ours, accepted
+
+
+def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
+    """``steps`` SGD steps of verl_ops' path and the reference from the same weights on this rank's
+    batches (seed + rank); returns per-step errors (see test_training_steps_match_reference)."""
+    from verl_ops.integrations.verl_router import merge_router_topk_indices, set_router_replay_data
+
+    device, dtype, metric, size, cfg, ref, ours, accepted = _one_process_models(
+        rank, device_kind, dtype_name, size_name, seed
+    )
     report = {
         "megatron_core": _megatron_version(),
         "compat": _compat_report(),
@@ -397,16 +406,9 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps, dispat
 def bshd_task(rank, world, device_kind, dtype_name, size_name, seed):
     """One forward / backward of a right-padded [B, S] batch (verl's BSHD path: no packed
     params, causal, MTP on), verl_ops' model against the reference from the same weights."""
-    device = _setup_rank(rank, device_kind)
-    dtype = getattr(torch, dtype_name)
-    metric = TOLERANCES[(device_kind, dtype_name)]["metric"]
-    size = lib.SIZES[size_name]
-    lib.init_distributed(1, device)
-    cfg = lib.make_config(size, dtype=dtype, device=device)
-    ref = lib.build_model(cfg, "reference", size=size, device=device, seed=seed)
-    lib.randomize_expert_bias(ref, seed + 1)
-    ours = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed + 7)
-    lib.copy_weights(ours, ref)
+    device, dtype, metric, size, cfg, ref, ours, accepted = _one_process_models(
+        rank, device_kind, dtype_name, size_name, seed
+    )
     g = torch.Generator().manual_seed(seed + rank)
     b, s = 3, 64 if device_kind == "cpu" else 512
     ids = torch.randint(0, size.vocab, (b, s), generator=g).to(device)
@@ -417,11 +419,7 @@ def bshd_task(rank, world, device_kind, dtype_name, size_name, seed):
     labels = torch.roll(ids, -1, dims=1)
     weights = (torch.rand(b, s, generator=g) * 2 - 0.5).to(device)
     position_ids = torch.arange(s, device=device).expand(b, s)
-    models = [("reference", ref), ("verl_ops", ours)]
-    if dtype != torch.float32:  # the accepted bf16 path (see steps_task)
-        accepted = lib.build_model(cfg, "verl_ops_padded", size=size, device=device, seed=seed + 9)
-        lib.copy_weights(accepted, ref)
-        models.append(("accepted", accepted))
+    models = [("reference", ref), ("verl_ops", ours)] + ([("accepted", accepted)] if accepted is not None else [])
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
     out, recorded = {}, None
