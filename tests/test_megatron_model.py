@@ -366,6 +366,16 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps, dispat
         singles.append((routes.clone(), one.loss_per_token, lib.grads(single)))
         opt_ref.step()
         opt_single.step()
+    # Every rank ran the single process on its own; on GPUs its backward is not bitwise
+    # deterministic (atomics in the MoE's unpermute and the embedding), so after the first SGD step
+    # the ranks' weights, and a near-tie route, may differ. The CP run is checked against rank 0's.
+    own_routes = [r.clone() for r, _, _ in singles]
+    for routes, loss_single, grads_single in singles:
+        dist.broadcast(routes.values().view(torch.uint8), src=0)
+        dist.broadcast(loss_single, src=0)
+        for name in sorted(grads_single):
+            if grads_single[name] is not None:
+                dist.broadcast(grads_single[name], src=0)
 
     # CP = 2: the same weights; the single-process routes scattered to this rank's rows.
     lib.init_distributed(cp, device)
@@ -375,7 +385,14 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps, dispat
     lib.copy_weights(model, initial)
     opt = torch.optim.SGD(model.parameters(), lr=lr)
     group = parallel_state.get_context_parallel_group()
-    report = {"megatron_core": _megatron_version(), "attention": _mla_core_attention_types(model), "steps": []}
+    report = {
+        "megatron_core": _megatron_version(),
+        "attention": _mla_core_attention_types(model),
+        # how many tokens' single-process routes on this rank equal rank 0's, per step
+        "single_routes_vs_rank0": [_route_pairs(_routes_values(o), _routes_values(r))
+                                   for o, (r, _, _) in zip(own_routes, singles)],
+        "steps": [],
+    }
     for batch, (routes, loss_single, grads_single) in zip(batches, singles):
         opt.zero_grad(set_to_none=True)
         targets, _ = set_router_replay_data(routes, None, cfg)
