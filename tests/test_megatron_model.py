@@ -36,6 +36,7 @@ import contextlib
 import os
 import random
 import sys
+import types
 
 import pytest
 import torch
@@ -150,6 +151,7 @@ def _compat_report() -> dict:
 
     mla = importlib.import_module("megatron.core.transformer.multi_latent_attention")
     moe_utils = importlib.import_module("megatron.core.transformer.moe.moe_utils")
+    dispatcher = importlib.import_module("megatron.core.transformer.moe.token_dispatcher")
 
     def state():
         return {
@@ -158,6 +160,9 @@ def _compat_report() -> dict:
             "moe_have_te": bool(moe_utils.HAVE_TE),
             "moe_te_general_gemm": "unbound" if not hasattr(moe_utils, "te_general_gemm")
             else ("None" if moe_utils.te_general_gemm is None else "bound"),
+            "permute_keeps_out_tokens": megatron_compat._permute_needs_exact_out_tokens(moe_utils),
+            "alltoall_replay_patched": bool(getattr(dispatcher.MoEAlltoAllTokenDispatcher,
+                                                    "_verl_ops_replay_out_tokens", False)),
         }
 
     _COMPAT["before"] = state()
@@ -524,6 +529,8 @@ def _check_compat(rep):
         want.append("fix_mla_have_te")
     if te_missing and before["moe_te_general_gemm"] == "unbound":
         want.append("fix_moe_utils_te_names")
+    if before["permute_keeps_out_tokens"] and not before["alltoall_replay_patched"]:
+        want.append("fix_alltoall_replay_out_tokens")
     assert c["applied"] == want, f"{v}: patch_megatron_core applied {c['applied']}, the defects found call for {want}"
     assert c["again"] == [], f"{v}: a second patch_megatron_core call applied {c['again']}"
     if te_missing:
@@ -531,6 +538,9 @@ def _check_compat(rep):
             f"{v}: MLA still believes TransformerEngine is there: {after}"
         )
         assert after["moe_te_general_gemm"] == "None", f"{v}: moe_utils.te_general_gemm is {after['moe_te_general_gemm']}"
+    assert not after["permute_keeps_out_tokens"] or after["alltoall_replay_patched"], (
+        f"{v}: the all-to-all dispatcher still sizes a replayed permutation as tokens * topk: {after}"
+    )
 
 
 def backend_task(rank, world, seed):
@@ -598,6 +608,74 @@ def test_compat_fixes_are_feature_detected(monkeypatch):
     monkeypatch.setitem(sys.modules, moe.__name__, moe3)
     moe3.HAVE_TE = True  # TransformerEngine installed: nothing to do
     assert mc.fix_moe_utils_te_names() is False and not hasattr(moe3, "te_general_gemm")
+
+
+def _argsort_permute(tokens, routing_map, probs=None, num_out_tokens=None, **_):
+    """megatron-core >= 0.17's unfused dropless permute: an argsort cut at num_out_tokens."""
+    flat = routing_map.T.contiguous().reshape(-1).int().argsort(descending=True, stable=True)[:num_out_tokens]
+    return tokens.index_select(0, flat % tokens.shape[0]), None, flat
+
+
+def _masked_permute(tokens, routing_map, probs=None, num_out_tokens=None, **_):
+    """megatron-core 0.16's: the map's entries, whatever num_out_tokens says."""
+    idx = torch.arange(tokens.shape[0]).expand(routing_map.shape[1], -1).masked_select(routing_map.T)
+    return tokens.index_select(0, idx), None, idx
+
+
+def _stand_in_dispatcher():
+    class Dispatcher:
+        def __init__(self, **config):
+            self.config = types.SimpleNamespace(moe_router_topk=2, **config)
+            self.drop_and_pad = False
+            self.sync_points = []
+
+        def preprocess(self, routing_map):
+            self.num_out_tokens = routing_map.size(0) * self.config.moe_router_topk
+            return routing_map.sum(dim=0)
+
+        def _maybe_update_cuda_sync_point(self, point):
+            self.sync_points.append(point)
+
+    return Dispatcher
+
+
+@pytest.mark.parametrize("verl_patched", [False, True])
+def test_alltoall_replay_fix_is_feature_detected(monkeypatch, verl_patched):
+    """fix_alltoall_replay_out_tokens on stand-ins: applied only where permute keeps num_out_tokens
+    rows whatever the map holds (megatron-core >= 0.17's argsort) and verl's own patch is absent;
+    then, with replay on, a map whose padding rows name expert 0 twice permutes exactly its
+    entries, and without replay (or with a capacity factor) Megatron's count stays."""
+    from verl_ops.integrations import megatron_compat as mc
+
+    moe = types.ModuleType("megatron.core.transformer.moe.moe_utils")
+    disp = types.ModuleType("megatron.core.transformer.moe.token_dispatcher")
+    monkeypatch.setitem(sys.modules, moe.__name__, moe)
+    monkeypatch.setitem(sys.modules, disp.__name__, disp)
+    disp.MoEAlltoAllTokenDispatcher = cls = _stand_in_dispatcher()
+    if verl_patched:
+        cls._preprocess_patched = True  # verl's router_replay_patch marker
+    moe.permute = _masked_permute
+    assert mc.fix_alltoall_replay_out_tokens() is False and "_verl_ops_replay_out_tokens" not in vars(cls)
+    moe.permute = _argsort_permute
+    assert mc.fix_alltoall_replay_out_tokens() is (not verl_patched)
+    assert mc.fix_alltoall_replay_out_tokens() is False  # idempotent
+    if verl_patched:
+        return
+    # 3 tokens, 4 experts, top-2; the last row is a padding row replayed as [0, 0]
+    routes = torch.tensor([[1, 2], [3, 0], [0, 0]])
+    routing_map = torch.zeros(3, 4, dtype=torch.bool).scatter(1, routes, True)
+    tokens = torch.arange(3.0).unsqueeze(1)
+    on = cls(moe_enable_routing_replay=True, moe_expert_capacity_factor=None)
+    counts = on.preprocess(routing_map)
+    assert int(on.num_out_tokens) == 5 and on.sync_points == ["before_permutation_1"]
+    permuted = moe.permute(tokens, routing_map, num_out_tokens=on.num_out_tokens)[0]
+    assert permuted.shape[0] == int(counts.sum())  # the expert splits add up
+    assert sorted(permuted.flatten().tolist()) == [0.0, 0.0, 1.0, 1.0, 2.0]
+    for config in ({"moe_enable_routing_replay": False}, {"moe_enable_routing_replay": True,
+                                                          "moe_expert_capacity_factor": 1.0}):
+        off = cls(**config)
+        off.preprocess(routing_map)
+        assert off.num_out_tokens == 6 and off.sync_points == []
 
 
 @pytest.mark.parametrize("case", CASES)
