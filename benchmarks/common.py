@@ -16,6 +16,11 @@ Timing (seconds, medians):
   ranked_time(fn, device, ...)    every rank starts each repeat together (barrier), CUDA events,
                                   median per rank, the slowest rank's median
   sustain(fn, seconds)            back-to-back calls first: times at the sustained clock
+  stepped_wall_time(fn, reps, group, device)
+                                  every rank starts each repeat together (barrier), wall clock,
+                                  this rank's median
+Processes: launch (torchrun or spawned ranks), init_ranks (the process group and this rank's
+device), compare_with_verl (a drop-in timed against verl's function on a tests/_dist.py pool).
 Floors: copy_bandwidth (bytes read + written per second of a device copy), matmul_tflops (bf16
 8192^3). The device line: device_name, gpu_name, device_line, commit, command. Markdown:
 md_table. Batches: lognormal_lengths, scaled_lengths, rl_ragged_lengths.
@@ -23,6 +28,7 @@ md_table. Batches: lognormal_lengths, scaled_lengths, rl_ragged_lengths.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import platform
@@ -31,6 +37,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -101,6 +108,25 @@ def ranked_time(fn, device, repeats, warmup):
     return float(t)
 
 
+def stepped_wall_time(fn, reps, group=None, device=None):
+    """This rank's median wall time of fn() over ``reps`` calls (seconds), the ranks of ``group``
+    released together by a barrier before each; a CUDA ``device`` is synchronised around each call."""
+    import torch.distributed as dist
+
+    cuda = device is not None and device.type == "cuda"
+    ts = []
+    for _ in range(reps):
+        dist.barrier(group)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return statistics.median(ts)
+
+
 def gpu_ops_and_syncs(fn, device):
     """(number of GPU activities of one call, whether it host-synchronises) on CUDA; ('n/a', 'n/a') on CPU."""
     if device.type != "cuda":
@@ -144,6 +170,95 @@ def profile_calls(fn, reps, warmup=3):
             fn()
         torch.cuda.synchronize()
     return prof
+
+
+# --------------------------------------------------------------------------------------------
+# Processes
+
+
+def launch(run, args, nproc, too_few):
+    """Call ``run(rank, world, args[, init_file])`` on every rank: in this process under torchrun
+    (RANK and WORLD_SIZE set), else on ``nproc`` spawned processes that join through a file (fewer
+    than 2: exit with ``too_few``)."""
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
+        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
+        return
+    if nproc < 2:
+        raise SystemExit(too_few)
+    with tempfile.TemporaryDirectory() as d:
+        torch.multiprocessing.spawn(_spawned, args=(run, nproc, args, os.path.join(d, "init")), nprocs=nproc,
+                                    join=True)
+
+
+def _spawned(rank, run, world, args, init_file):
+    run(rank, world, args, init_file)
+
+
+def init_ranks(rank, world, backend, init_file=None, timeout_s=300):
+    """Join the process group (through ``init_file`` when spawned by :func:`launch`, from the
+    environment under torchrun); NCCL: one GPU per local rank. Returns this rank's device."""
+    import torch.distributed as dist
+
+    kwargs = {"init_method": f"file://{init_file}", "rank": rank, "world_size": world} if init_file else {}
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+        kwargs["device_id"] = device
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    return device
+
+
+def compare_with_verl(args, name, columns, tasks, missing):
+    """verl_ops' ``name`` against verl's on a pool of ``args.world`` ``args.backend`` ranks
+    (tests/_dist.py): one markdown row per task, printed as it comes, the table written to
+    ``args.out``. Returns the exit status.
+
+    columns: the table's leading column names (then verl, verl_ops, speedup, ``columns[-1]``:
+    whether the results are equal). tasks: ``(ref, task_args, lead)``: ``ref`` runs on every rank
+    and returns ``(equal, {"verl": s, "verl_ops": s}, extra)``, or None where verl's function cannot
+    be loaded (``missing`` printed, status 1); ``lead(extra)`` of rank 0 gives the row's leading
+    cells."""
+    use_tests_dir()
+    from _dist import DistPool
+
+    pool = DistPool(args.world, args.backend, pg_timeout_s=120.0)
+    where = "on the CPU" if args.backend == "gloo" else f"({torch.cuda.get_device_name(0)} each)"
+    head = [*columns[:-1], "verl", "verl_ops", "speedup", columns[-1]]
+    lines = [f"### {name} vs verl's, {args.world} {args.backend} ranks {where} (torch {torch.__version__})", "",
+             *md_table(head, [])]
+    print("\n".join(lines), flush=True)
+    try:
+        for ref, task_args, lead in tasks:
+            res = pool.run(ref, *task_args, timeout_s=900)
+            if res[0] is None:
+                print(missing)
+                return 1
+            _, t, extra = res[0]
+            ok = all(r[0] for r in res)
+            row = (f"| {lead(extra)} | {t['verl'] * 1e3:.1f} ms | {t['verl_ops'] * 1e3:.1f} ms | "
+                   f"{t['verl'] / t['verl_ops']:.1f}x | {'yes' if ok else 'NO'} |")
+            lines.append(row)
+            print(row, flush=True)
+    finally:
+        pool.close()
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def dist_arguments(description):
+    """The argument parser of a :func:`compare_with_verl` script: --world, --backend, --reps, --out."""
+    import argparse
+
+    ap = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=2)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: one GPU per rank")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    return ap
 
 
 # --------------------------------------------------------------------------------------------

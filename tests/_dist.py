@@ -5,6 +5,10 @@ runs tasks: a check function named ``"module:function"``, called as ``fn(rank, w
 on every rank. :meth:`DistPool.run` waits for all ranks under a timeout; a rank that raises fails
 the task with every rank's traceback, and a task that does not finish in time (a hang) fails it
 and tears the pool down (the next task starts a fresh one).
+
+Test modules share pools through :func:`shared_pool` (one per world size, backend and timeout, kept
+for the module's later tests; tests/conftest.py closes them after each module) and parametrize
+their ``dist_run`` fixture with :func:`dist_params` / :func:`dist_runner`.
 """
 
 from __future__ import annotations
@@ -163,3 +167,76 @@ class DistPool:
                 p.join(timeout=5)
         self._procs = []
         self._dir.cleanup()
+
+
+# --------------------------------------------------------------------------------------------
+# Pools shared by the tests of one module.
+
+_shared: dict = {}
+
+
+def shared_pool(world_size: int, backend: str = "gloo", *, pg_timeout_s: float = 30.0) -> DistPool:
+    """The pool of ``(world_size, backend, pg_timeout_s)``, started on its first task and reused by
+    the module's later tests; :func:`close_shared_pools` ends them."""
+    key = (world_size, backend, pg_timeout_s)
+    if key not in _shared:
+        _shared[key] = DistPool(world_size, backend, pg_timeout_s=pg_timeout_s)
+    return _shared[key]
+
+
+def close_shared_pools():
+    for pool in _shared.values():
+        pool.close()
+    _shared.clear()
+
+
+def skip_reason(backend: str, world_size: int):
+    """Why a ``(backend, world_size)`` pool cannot run here, or None."""
+    import torch
+    import torch.distributed as dist
+
+    if backend == "nccl":
+        if not torch.cuda.is_available():
+            return "NCCL checks need CUDA"
+        if torch.cuda.device_count() < world_size:
+            return f"NCCL checks at {world_size} ranks need {world_size} GPUs, found {torch.cuda.device_count()}"
+        if not dist.is_nccl_available():
+            return "torch was built without NCCL"
+    elif not dist.is_gloo_available():
+        return "torch was built without gloo"
+    return None
+
+
+def dist_params(backends, world_sizes) -> list:
+    """pytest params ``(backend, world_size)`` with ids like ``gloo2``; NCCL ones carry the gpu marker."""
+    import pytest
+
+    return [
+        pytest.param((b, w), id=f"{b}{w}", marks=[pytest.mark.gpu] if b == "nccl" else [])
+        for b in backends
+        for w in world_sizes
+    ]
+
+
+def dist_runner(request, module: str, *, pass_backend: bool = True, pg_timeout_s: float = 30.0,
+                timeout_s: float = 120.0):
+    """For a fixture parametrized by :func:`dist_params`: skips where that pool cannot run, else
+    returns ``run(check_name, *args, timeout_s=...)``, which calls ``module:check_name`` on every
+    rank of the shared pool as ``check(rank, world_size, backend, *args)`` (``pass_backend=False``:
+    without ``backend``) and returns the per-rank results. ``run.world`` and ``run.backend`` name
+    the pool."""
+    import pytest
+
+    backend, world = request.param
+    reason = skip_reason(backend, world)
+    if reason:
+        pytest.skip(reason)
+    lead = (backend,) if pass_backend else ()
+
+    def run(name, *args, timeout_s=timeout_s):
+        pool = shared_pool(world, backend, pg_timeout_s=pg_timeout_s)
+        return pool.run(f"{module}:{name}", *lead, *args, timeout_s=timeout_s)
+
+    run.world = world
+    run.backend = backend
+    return run

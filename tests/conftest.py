@@ -59,6 +59,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _close_dist_pools():
+    """Worker pools of tests/_dist.py live for one test module."""
+    yield
+    from _dist import close_shared_pools
+
+    close_shared_pools()
+
+
 @pytest.fixture(params=DEVICE_PARAMS)
 def device(request):
     """"cpu", and "cuda" when a GPU is present."""

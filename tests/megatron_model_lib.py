@@ -190,17 +190,9 @@ def init_distributed(cp_size: int = 1, device="cpu") -> None:
 # The reference core attention (verl's MLA THD path).
 
 
-class ReferenceMLACoreAttention(torch.nn.Module):
-    """Causal attention for MLA, built like Megatron's core attention (same constructor and forward
-    signatures as ``MLACoreAttention``), computed plainly.
-
-    THD (``packed_seq_params.qkv_format == "thd"``): ``query, key [t, n, Dqk]``, ``value [t, n, Dv]``
-    -> ``[t, n * Dv]``. Sequence ``i`` occupies rows ``[cu_seqlens_q_padded[i], ...[i + 1])`` of
-    which the first ``cu_seqlens_q[i + 1] - cu_seqlens_q[i]`` are its tokens; each sequence is
-    attended on its own: V zero-padded to ``Dqk``, causal softmax in float32, the output trimmed back
-    to ``Dv`` (verl's patch of Megatron's MLA on the THD path). Rows past a sequence's tokens are 0.
-    BSHD: ``[s, b, n, D]`` -> ``[s, b, n * Dv]``, causal over ``s``. One CP rank only.
-    """
+class CoreAttentionArguments(torch.nn.Module):
+    """A core attention's constructor as Megatron calls it (``MLACoreAttention``'s arguments), kept
+    as attributes."""
 
     def __init__(
         self,
@@ -224,10 +216,26 @@ class ReferenceMLACoreAttention(torch.nn.Module):
         self.k_channels = k_channels
         self.v_channels = v_channels
         self.pg_collection = pg_collection
-        name = getattr(attn_mask_type, "name", str(attn_mask_type))
+
+
+class ReferenceMLACoreAttention(CoreAttentionArguments):
+    """Causal attention for MLA, built like Megatron's core attention (same constructor and forward
+    signatures as ``MLACoreAttention``), computed plainly.
+
+    THD (``packed_seq_params.qkv_format == "thd"``): ``query, key [t, n, Dqk]``, ``value [t, n, Dv]``
+    -> ``[t, n * Dv]``. Sequence ``i`` occupies rows ``[cu_seqlens_q_padded[i], ...[i + 1])`` of
+    which the first ``cu_seqlens_q[i + 1] - cu_seqlens_q[i]`` are its tokens; each sequence is
+    attended on its own: V zero-padded to ``Dqk``, causal softmax in float32, the output trimmed back
+    to ``Dv`` (verl's patch of Megatron's MLA on the THD path). Rows past a sequence's tokens are 0.
+    BSHD: ``[s, b, n, D]`` -> ``[s, b, n * Dv]``, causal over ``s``. One CP rank only.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        name = getattr(self.attn_mask_type, "name", str(self.attn_mask_type))
         if "causal" not in name:
-            raise ValueError(f"ReferenceMLACoreAttention: causal masks only, got {attn_mask_type}")
-        cp = getattr(pg_collection, "cp", None) if pg_collection is not None else None
+            raise ValueError(f"ReferenceMLACoreAttention: causal masks only, got {self.attn_mask_type}")
+        cp = getattr(self.pg_collection, "cp", None) if self.pg_collection is not None else None
         if cp is not None and cp.size() > 1:
             raise ValueError("ReferenceMLACoreAttention: one context-parallel rank only")
 

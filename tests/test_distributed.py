@@ -13,6 +13,7 @@ import random
 
 import pytest
 import torch
+from _dist import dist_params, dist_runner
 
 import verl_ops
 from verl_ops import DynamicCPGroups, ThdLayout, dynamic_cp_merge, dynamic_cp_split, plan_dynamic_cp
@@ -20,57 +21,11 @@ from verl_ops import DynamicCPGroups, ThdLayout, dynamic_cp_merge, dynamic_cp_sp
 # --------------------------------------------------------------------------------------------
 # Pools.
 
-WORLD_SIZES = [2, 4]
-BACKENDS = ["gloo", "nccl"]
-_pools: dict = {}
 
-
-def _skip_reason(backend, world):
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            return "NCCL checks need CUDA"
-        if torch.cuda.device_count() < world:
-            return f"NCCL checks at {world} ranks need {world} GPUs, found {torch.cuda.device_count()}"
-        if not torch.distributed.is_nccl_available():
-            return "torch was built without NCCL"
-    elif not torch.distributed.is_gloo_available():
-        return "torch was built without gloo"
-    return None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    for pool in _pools.values():
-        pool.close()
-    _pools.clear()
-
-
-PARAMS = [
-    pytest.param((b, w), id=f"{b}{w}", marks=[pytest.mark.gpu] if b == "nccl" else [])
-    for b in BACKENDS
-    for w in WORLD_SIZES
-]
-
-
-@pytest.fixture(params=PARAMS)
+@pytest.fixture(params=dist_params(("gloo", "nccl"), (2, 4)))
 def dist_run(request):
     """run(check_name, *args) on every rank of a (backend, world_size) pool."""
-    from _dist import DistPool
-
-    backend, world = request.param
-    reason = _skip_reason(backend, world)
-    if reason:
-        pytest.skip(reason)
-    key = (backend, world)
-    if key not in _pools:
-        _pools[key] = DistPool(world, backend, pg_timeout_s=30.0)
-
-    def run(name, *args, timeout_s=120.0):
-        return _pools[key].run(f"test_distributed:{name}", backend, *args, timeout_s=timeout_s)
-
-    run.world = world
-    return run
+    return dist_runner(request, "test_distributed")
 
 
 # --------------------------------------------------------------------------------------------

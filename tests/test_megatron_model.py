@@ -44,6 +44,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import megatron_model_lib as lib  # noqa: E402
+from _dist import shared_pool
 
 
 def _requirements_missing():
@@ -88,29 +89,11 @@ CASES = [
 ]
 
 # --------------------------------------------------------------------------------------------
-# Pools.
-
-_pools: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    for pool in _pools.values():
-        pool.close()
-    _pools.clear()
-
-
-def _pool(backend: str):
-    from _dist import DistPool
-
-    if backend not in _pools:
-        _pools[backend] = DistPool(2, backend, pg_timeout_s=60.0)
-    return _pools[backend]
+# Pools (tests/_dist.py).
 
 
 def _run(backend: str, name: str, *args, timeout_s: float = 240.0):
-    return _pool(backend).run(f"{MODULE}:{name}", *args, timeout_s=timeout_s)
+    return shared_pool(2, backend, pg_timeout_s=60.0).run(f"{MODULE}:{name}", *args, timeout_s=timeout_s)
 
 
 # --------------------------------------------------------------------------------------------

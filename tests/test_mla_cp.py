@@ -17,6 +17,7 @@ import re
 
 import pytest
 import torch
+from _dist import dist_params, dist_runner
 
 import verl_ops
 from verl_ops import ThdLayout
@@ -26,68 +27,21 @@ OP = "mla_cp_attention"
 # --------------------------------------------------------------------------------------------
 # Pools (one per backend and world size, shared by the tests of this module).
 
-_pools: dict = {}
-
-
-def _skip_reason(backend, world):
-    import torch.distributed as dist
-
-    if backend == "nccl":
-        if not torch.cuda.is_available():
-            return "NCCL checks need CUDA"
-        if torch.cuda.device_count() < world:
-            return f"NCCL checks at {world} ranks need {world} GPUs, found {torch.cuda.device_count()}"
-        if not dist.is_nccl_available():
-            return "torch was built without NCCL"
-        if not verl_ops.cuda_available():
-            return "verl_ops was built without its CUDA kernels"
-    elif not dist.is_gloo_available():
-        return "torch was built without gloo"
-    return None
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    for pool in _pools.values():
-        pool.close()
-    _pools.clear()
-
-
-def _param(backend, world):
-    return pytest.param((backend, world), id=f"{backend}{world}", marks=[pytest.mark.gpu] if backend == "nccl" else [])
-
-
-ALL = [_param(b, w) for b in ("gloo", "nccl") for w in (2, 4)]
-FOUR = [_param(b, 4) for b in ("gloo", "nccl")]
-
 
 def _runner(request):
-    from _dist import DistPool
-
-    backend, world = request.param
-    reason = _skip_reason(backend, world)
-    if reason:
-        pytest.skip(reason)
-    key = (backend, world)
-    if key not in _pools:
-        _pools[key] = DistPool(world, backend, pg_timeout_s=30.0)
-
-    def run(name, *args, timeout_s=120.0):
-        return _pools[key].run(f"test_mla_cp:{name}", backend, *args, timeout_s=timeout_s)
-
-    run.world = world
-    run.backend = backend
+    run = dist_runner(request, "test_mla_cp")
+    if run.backend == "nccl" and not verl_ops.cuda_available():
+        pytest.skip("verl_ops was built without its CUDA kernels")
     return run
 
 
-@pytest.fixture(params=ALL)
+@pytest.fixture(params=dist_params(("gloo", "nccl"), (2, 4)))
 def dist_run(request):
     """run(check_name, *args) on every rank of a (backend, world size) pool."""
     return _runner(request)
 
 
-@pytest.fixture(params=FOUR)
+@pytest.fixture(params=dist_params(("gloo", "nccl"), (4,)))
 def dist_run4(request):
     return _runner(request)
 

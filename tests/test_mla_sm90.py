@@ -17,7 +17,16 @@ import sys
 import pytest
 import torch
 from conftest import HAS_CUDA
-from test_mla_varlen import TOL, check_against_reference, lse_err, make_case, reference, rel_err, run
+from test_mla_varlen import (
+    TOL,
+    check_against_reference,
+    lse_err,
+    make_case,
+    reference,
+    rel_err,
+    run,
+    saved_by_script,
+)
 
 from verl_ops import mla_cache_info, mla_forward_padded
 
@@ -107,13 +116,7 @@ def test_cuda_own_forward_agrees_with_cudnn_forward(tmp_path):
     """VERL_OPS_VARLEN_FORWARD=cudnn runs cuDNN's forward plan instead: outputs within bf16
     rounding, the log-sum-exp to float32 rounding, and cuDNN's backward (which both use) gives the
     same gradients from either forward's output and log-sum-exp."""
-    dest = tmp_path / "cudnn.pt"
-    script = _CUDNN_FORWARD_SCRIPT.format(path=[os.path.dirname(os.path.abspath(__file__))])
-    env = dict(os.environ, VERL_OPS_VARLEN_FORWARD="cudnn")
-    done = subprocess.run([sys.executable, "-c", script, str(dest)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    theirs = torch.load(dest)
+    theirs = saved_by_script(_CUDNN_FORWARD_SCRIPT, tmp_path / "cudnn.pt", {"VERL_OPS_VARLEN_FORWARD": "cudnn"})
     for causal, want in zip((True, False), theirs):
         c = make_case(rl_lengths(10, seed=5) + [1], hq=8, hk=4, device="cuda", seed=44)
         out, (q, k, v) = run(c, causal=causal)
@@ -194,13 +197,7 @@ def test_cuda_own_backward_agrees_with_cudnn_backward(tmp_path):
     """VERL_OPS_VARLEN_BACKWARD=cudnn runs cuDNN's backward plan on the same forward: gradients
     within bf16 rounding on an RL-like batch (causal and not, grouped heads, a sequence of length
     0) and on bottom-right cross attention with rows and sequences that see no key."""
-    dest = tmp_path / "cudnn_bwd.pt"
-    script = _CUDNN_BACKWARD_SCRIPT.format(path=[os.path.dirname(os.path.abspath(__file__))])
-    env = dict(os.environ, VERL_OPS_VARLEN_BACKWARD="cudnn")
-    done = subprocess.run([sys.executable, "-c", script, str(dest)], env=env, capture_output=True, text=True,
-                          timeout=300)
-    assert done.returncode == 0, done.stderr
-    theirs = torch.load(dest)
+    theirs = saved_by_script(_CUDNN_BACKWARD_SCRIPT, tmp_path / "cudnn_bwd.pt", {"VERL_OPS_VARLEN_BACKWARD": "cudnn"})
     cases = ((True, None), (False, None), (True, [40, 0, 129, 64, 3]))
     for (causal, kv), want in zip(cases, theirs):
         if kv is None:

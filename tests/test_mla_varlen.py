@@ -445,6 +445,21 @@ def test_cuda_plan_cache_capacity_evicts_least_recently_used():
     assert mla_cache_info()["capacity"] == previous
 
 
+def saved_by_script(script, dest, env, **fields):
+    """What ``script`` saves to ``dest`` (its argument), run in a fresh process with the environment
+    variables ``env`` added; the script is formatted with ``path`` (this folder, for sys.path) and
+    ``fields``."""
+    import os
+    import subprocess
+    import sys
+
+    code = script.format(path=[os.path.dirname(os.path.abspath(__file__))], **fields)
+    done = subprocess.run([sys.executable, "-c", code, str(dest)], env=dict(os.environ, **env), capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return torch.load(dest)
+
+
 _FAILED_BUILD_SCRIPT = r"""
 import torch, verl_ops
 from verl_ops import mla_cache_info, mla_forward_padded
@@ -483,20 +498,11 @@ def test_cuda_sequence_order_does_not_change_results(tmp_path):
     """The backend hands cuDNN the sequences largest first (VERL_OPS_VARLEN_ORDER, default
     largest_first); in input order (=input) the outputs and the log-sum-exp are the same bit for
     bit and the gradients the same up to the accumulation order of dq."""
-    import os
-    import subprocess
-    import sys
-
     lengths = [3, 900, 0, 1, 257, 64, 900, 128, 2, 511]
-    script = _ORDER_SCRIPT.format(path=[os.path.dirname(os.path.abspath(__file__))], lengths=lengths)
-    results = []
-    for order in ("input", "largest_first"):
-        dest = tmp_path / f"{order}.pt"
-        env = dict(os.environ, VERL_OPS_VARLEN_ORDER=order)
-        done = subprocess.run([sys.executable, "-c", script, str(dest)], env=env, capture_output=True, text=True,
-                              timeout=300)
-        assert done.returncode == 0, done.stderr
-        results.append(torch.load(dest))
+    results = [
+        saved_by_script(_ORDER_SCRIPT, tmp_path / f"{order}.pt", {"VERL_OPS_VARLEN_ORDER": order}, lengths=lengths)
+        for order in ("input", "largest_first")
+    ]
     (out_a, lse_a, *grads_a), (out_b, lse_b, *grads_b) = results
     assert torch.equal(out_a, out_b) and torch.equal(lse_a, lse_b)
     for name, a, b in zip("qkv", grads_a, grads_b):

@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import verl_stubs
 from test_verl_integration import make_seqs, nested, real_mpu, real_verl  # noqa: F401  (fixtures)
 
-from verl_ops.integrations import _common
 from verl_ops.integrations import verl as vi
 from verl_ops.integrations import verl_bshd as vb
 
@@ -365,20 +364,15 @@ def test_install_reports_missing(monkeypatch):
 def test_vlm_thd_align_rule_read_from_verl_source(tmp_path, monkeypatch, aligns, rule):
     """The rule follows the verl in use: its util.py's build_vlm_attn_mask_thd aligns to TP / CP
     (0.9.1, names align_size) or pads to the longest length only (main)."""
-    util = tmp_path / "verl" / "models" / "mcore" / "util.py"
-    util.parent.mkdir(parents=True)
     body = ("    align_size = tp_size * cp_size * 2 if cp_size > 1 else tp_size\n" if aligns else "")
-    util.write_text("def preprocess_thd_engine(input_ids):\n    pass\n\n\n"
-                    f"def build_vlm_attn_mask_thd(input_ids, pad_token_id=None):\n{body}"
-                    "    input_ids_with_pad = input_ids.to_padded_tensor(pad_token_id)\n\n\n"
-                    "def build_vlm_attn_mask_bshd(input_ids, batch_size, pad_token_id=None):\n"
-                    "    align_size = 2\n")
-    pkg = types.ModuleType("verl")
-    pkg.__path__ = [str(tmp_path / "verl")]
-    monkeypatch.setitem(sys.modules, "verl", pkg)
-    monkeypatch.delitem(sys.modules, "verl.models.mcore.util", raising=False)
+    verl_stubs.install_verl_util_source(
+        monkeypatch, tmp_path,
+        "def preprocess_thd_engine(input_ids):\n    pass\n\n\n"
+        f"def build_vlm_attn_mask_thd(input_ids, pad_token_id=None):\n{body}"
+        "    input_ids_with_pad = input_ids.to_padded_tensor(pad_token_id)\n\n\n"
+        "def build_vlm_attn_mask_bshd(input_ids, batch_size, pad_token_id=None):\n"
+        "    align_size = 2\n")
     monkeypatch.setattr(vb, "VLM_THD_ALIGN_RULE", None)
-    monkeypatch.setattr(_common, "_UTIL_TEXT_BY_FILE", {})
     assert vb.vlm_thd_align_rule() == rule
     monkeypatch.setattr(vb, "VLM_THD_ALIGN_RULE", "1.0")
     with pytest.raises(ValueError, match="VLM_THD_ALIGN_RULE"):

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import verl_stubs
+from _dist import dist_params, dist_runner
 
 LEADER, IDS = "_dcp_group_leader", "_dcp_sample_ids"
 OWNER = "verl.utils.dynamic_cp_scheduler"
@@ -224,35 +225,13 @@ def check_bad_output_raises_everywhere(rank, world):
     return True
 
 
-_pools: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    for pool in _pools.values():
-        pool.close()
-    _pools.clear()
-
-
-@pytest.fixture(params=[2, 4], ids=["gloo2", "gloo4"])
+@pytest.fixture(params=dist_params(("gloo",), (2, 4)))
 def dist_run(request):
-    from _dist import DistPool
-
-    if not torch.distributed.is_gloo_available():
-        pytest.skip("torch was built without gloo")
+    run = dist_runner(request, "test_verl_dcp_collect", pass_backend=False)
     try:
         verl_functions()
     except LookupError as e:
         pytest.skip(str(e))
-    world = request.param
-    if world not in _pools:
-        _pools[world] = DistPool(world, "gloo", pg_timeout_s=30.0)
-
-    def run(name, *args, timeout_s=120.0):
-        return _pools[world].run(f"test_verl_dcp_collect:{name}", *args, timeout_s=timeout_s)
-
-    run.world = world
     return run
 
 

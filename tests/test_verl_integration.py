@@ -36,7 +36,6 @@ import verl_stubs
 from reference import ref_layout
 
 import verl_ops
-from verl_ops.integrations import _common
 from verl_ops.integrations import verl as vi
 
 CP_RANKS = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]
@@ -335,16 +334,10 @@ def test_preprocess_thd_engine_main_roll_rule_gradient(mcore, monkeypatch):
 def test_zigzag_roll_rule_read_from_verl_source(tmp_path, monkeypatch, padded_to_padded_length, rule):
     """The rule follows the verl in use: its util.py's preprocess_thd_engine pads a sequence to its
     padded length (0.9.1) or only to the alignment (main)."""
-    util = tmp_path / "verl" / "models" / "mcore" / "util.py"
-    util.parent.mkdir(parents=True)
     pad = ("pad_target = max(align_size, seqlen_padded_i)" if padded_to_padded_length else "pad_target = align_size")
-    util.write_text(f"def preprocess_thd_engine(input_ids):\n    {pad}\n\n\ndef other():\n    pass\n")
-    pkg = types.ModuleType("verl")
-    pkg.__path__ = [str(tmp_path / "verl")]
-    monkeypatch.setitem(sys.modules, "verl", pkg)
-    monkeypatch.delitem(sys.modules, "verl.models.mcore.util", raising=False)
+    verl_stubs.install_verl_util_source(
+        monkeypatch, tmp_path, f"def preprocess_thd_engine(input_ids):\n    {pad}\n\n\ndef other():\n    pass\n")
     monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", None)
-    monkeypatch.setattr(_common, "_UTIL_TEXT_BY_FILE", {})
     assert vi.zigzag_roll_rule() == rule
     monkeypatch.setattr(vi, "ZIGZAG_ROLL_RULE", "1.0")
     with pytest.raises(ValueError, match="ZIGZAG_ROLL_RULE"):

@@ -18,6 +18,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import verl_stubs
+from _dist import dist_params, dist_runner
 from conftest import DEVICE_PARAMS
 
 from verl_ops.integrations import verl_pp as pp
@@ -404,32 +405,9 @@ def check_pp_gather_errors(rank, world_size, backend, device, pp_world):
         pp.pp_gather(bad, tf)
 
 
-_pools: dict = {}
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _close_pools():
-    yield
-    for pool in _pools.values():
-        pool.close()
-    _pools.clear()
-
-
-@pytest.fixture(params=[2, 4], ids=["gloo2", "gloo4"])
+@pytest.fixture(params=dist_params(("gloo",), (2, 4)))
 def dist_run(request):
-    from _dist import DistPool
-
-    if not torch.distributed.is_gloo_available():
-        pytest.skip("torch was built without gloo")
-    world = request.param
-    if world not in _pools:
-        _pools[world] = DistPool(world, "gloo", pg_timeout_s=30.0)
-
-    def run(name, *args, timeout_s=120.0):
-        return _pools[world].run(f"test_verl_pp:{name}", "gloo", *args, timeout_s=timeout_s)
-
-    run.world = world
-    return run
+    return dist_runner(request, "test_verl_pp")
 
 
 def _pp_worlds(world):

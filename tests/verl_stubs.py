@@ -176,6 +176,22 @@ def load_verl_util(monkeypatch):
     return util
 
 
+def install_verl_util_source(monkeypatch, root, text: str) -> None:
+    """A stand-in ``verl`` package under ``root`` (a pathlib.Path) whose ``models/mcore/util.py``
+    holds ``text``, in place of the verl in use (undone by the monkeypatch), and the integrations'
+    cache of util.py sources emptied: the rules read from verl's source are read from ``text``."""
+    from verl_ops.integrations import _common
+
+    util = root / "verl" / "models" / "mcore" / "util.py"
+    util.parent.mkdir(parents=True)
+    util.write_text(text)
+    pkg = types.ModuleType("verl")
+    pkg.__path__ = [str(root / "verl")]
+    monkeypatch.setitem(sys.modules, "verl", pkg)
+    monkeypatch.delitem(sys.modules, "verl.models.mcore.util", raising=False)
+    monkeypatch.setattr(_common, "_UTIL_TEXT_BY_FILE", {})
+
+
 def load_verl_functions(relpath: str, names: list[str], namespace: dict | None = None) -> dict:
     """Top-level functions ``names`` of the installed verl's ``verl/<relpath>``, read from that file
     at run time and defined on their own (their module's heavy imports are not run), in a namespace

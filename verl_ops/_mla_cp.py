@@ -91,9 +91,7 @@ class _AllGatherAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan, group, cp, scale, backend_code):
         k_seg = _all_gather(k, group, cp).index_select(0, plan.kv_index)
         v_seg = _all_gather(v, group, cp).index_select(0, plan.kv_index)
-        out, lse = _ops.mla_forward_padded(
-            q, k_seg, v_seg, plan.cu_q, plan.cu_kv, plan.max_q, plan.max_kv, True, scale, backend_code
-        )
+        out, lse = _ops.mla_forward_padded(q, k_seg, v_seg, *plan.segments, scale, backend_code)
         _keep(ctx, q, k, v, out, lse, plan, group, cp, scale, backend_code)
         return out
 
@@ -110,11 +108,7 @@ class _AllGatherAttention(torch.autograd.Function):
             v_all.index_select(0, plan.kv_index),
             out,
             lse,
-            plan.cu_q,
-            plan.cu_kv,
-            plan.max_q,
-            plan.max_kv,
-            True,
+            *plan.segments,
             scale,
             backend_code,
         )
@@ -156,10 +150,33 @@ def _ring_steps(cp, rank):
         yield i, "self" if i == 0 else ("low" if src < rank else "high")
 
 
+def _ring_segments(plan, kind):
+    """One ring step's attention: ``(q_rows, kv_rows, cu_q, cu_kv, max_q, max_kv, causal)``, the
+    local query rows and block rows it takes (None: all of them) and its varlen offsets."""
+    if kind == "self":
+        return None, None, plan.cu_local, plan.cu_local, plan.max_local, plan.max_local, True
+    if kind == "low":
+        return None, plan.first, plan.cu_local, plan.cu_chunk, plan.max_local, plan.max_chunk, False
+    return plan.second, None, plan.cu_chunk, plan.cu_local, plan.max_chunk, plan.max_local, False
+
+
+def _rows(x, rows, dim=0):
+    return x if rows is None else x.index_select(dim, rows)
+
+
+def _pass_block(block, last, group, cp, rank):
+    """Start sending ``block`` to the next rank of the ring and receiving the previous rank's
+    (except at the last step): ``(requests, the arriving block or None)``."""
+    if last:
+        return [], None
+    nxt = tuple(torch.empty_like(t) for t in block)
+    return _exchange(block, nxt, group, cp, rank), nxt
+
+
 def _merge(out_acc, lse_acc, out, lse, rows=None):
     """Fold a partial result (out [t, H, Dv], lse [H, t]) into the accumulators (at ``rows``)."""
-    acc_o = out_acc if rows is None else out_acc.index_select(0, rows)
-    acc_l = lse_acc if rows is None else lse_acc.index_select(1, rows)
+    acc_o = _rows(out_acc, rows)
+    acc_l = _rows(lse_acc, rows, 1)
     new = torch.logaddexp(acc_l, lse.to(acc_l.dtype))
     merged = acc_o * torch.exp(acc_l - new).t().unsqueeze(-1) + out.to(acc_o.dtype) * torch.exp(
         lse.to(acc_l.dtype) - new
@@ -187,52 +204,13 @@ class _RingAttention(torch.autograd.Function):
         lse_acc = torch.full((h, t), -math.inf, dtype=acc, device=q.device)
         kb, vb = k.contiguous(), v.contiguous()
         for i, kind in _ring_steps(cp, rank):
-            reqs, nxt = [], None
-            if i < cp - 1:  # the next block travels while this one is attended
-                nxt = (torch.empty_like(kb), torch.empty_like(vb))
-                reqs = _exchange((kb, vb), nxt, group, cp, rank)
-            if kind == "self":
-                o, lse = _ops.mla_forward_padded(
-                    q,
-                    kb,
-                    vb,
-                    plan.cu_local,
-                    plan.cu_local,
-                    plan.max_local,
-                    plan.max_local,
-                    True,
-                    scale,
-                    backend_code,
-                )
-                _merge(out_acc, lse_acc, o, lse)
-            elif kind == "low":
-                o, lse = _ops.mla_forward_padded(
-                    q,
-                    kb.index_select(0, plan.first),
-                    vb.index_select(0, plan.first),
-                    plan.cu_local,
-                    plan.cu_chunk,
-                    plan.max_local,
-                    plan.max_chunk,
-                    False,
-                    scale,
-                    backend_code,
-                )
-                _merge(out_acc, lse_acc, o, lse)
-            else:
-                o, lse = _ops.mla_forward_padded(
-                    q.index_select(0, plan.second),
-                    kb,
-                    vb,
-                    plan.cu_chunk,
-                    plan.cu_local,
-                    plan.max_chunk,
-                    plan.max_local,
-                    False,
-                    scale,
-                    backend_code,
-                )
-                _merge(out_acc, lse_acc, o, lse, plan.second)
+            # the next block travels while this one is attended
+            reqs, nxt = _pass_block((kb, vb), i == cp - 1, group, cp, rank)
+            q_rows, kv_rows, *segments = _ring_segments(plan, kind)
+            o, lse = _ops.mla_forward_padded(
+                _rows(q, q_rows), _rows(kb, kv_rows), _rows(vb, kv_rows), *segments, scale, backend_code
+            )
+            _merge(out_acc, lse_acc, o, lse, q_rows)
             _wait(reqs)
             if nxt is not None:
                 kb, vb = nxt
@@ -250,64 +228,26 @@ class _RingAttention(torch.autograd.Function):
         kb, vb = k.contiguous(), v.contiguous()
         acc_reqs, acc_in = [], None
         for i, kind in _ring_steps(cp, rank):
-            reqs, nxt = [], None
-            if i < cp - 1:
-                nxt = (torch.empty_like(kb), torch.empty_like(vb))
-                reqs = _exchange((kb, vb), nxt, group, cp, rank)
-            if kind == "self":
-                dq_p, dk_p, dv_p = _ops.mla_backward_padded(
-                    dout,
-                    q,
-                    kb,
-                    vb,
-                    out,
-                    lse,
-                    plan.cu_local,
-                    plan.cu_local,
-                    plan.max_local,
-                    plan.max_local,
-                    True,
-                    scale,
-                    backend_code,
-                )
+            reqs, nxt = _pass_block((kb, vb), i == cp - 1, group, cp, rank)
+            q_rows, kv_rows, *segments = _ring_segments(plan, kind)
+            dq_p, dk_p, dv_p = _ops.mla_backward_padded(
+                _rows(dout, q_rows),
+                _rows(q, q_rows),
+                _rows(kb, kv_rows),
+                _rows(vb, kv_rows),
+                _rows(out, q_rows),
+                _rows(lse, q_rows, 1),
+                *segments,
+                scale,
+                backend_code,
+            )
+            if q_rows is None:
                 dq.add_(dq_p)
-            elif kind == "low":
-                dq_p, dkf, dvf = _ops.mla_backward_padded(
-                    dout,
-                    q,
-                    kb.index_select(0, plan.first),
-                    vb.index_select(0, plan.first),
-                    out,
-                    lse,
-                    plan.cu_local,
-                    plan.cu_chunk,
-                    plan.max_local,
-                    plan.max_chunk,
-                    False,
-                    scale,
-                    backend_code,
-                )
-                dq.add_(dq_p)
-                dk_p = torch.zeros_like(kb).index_copy_(0, plan.first, dkf)
-                dv_p = torch.zeros_like(vb).index_copy_(0, plan.first, dvf)
             else:
-                second = plan.second
-                dq_p, dk_p, dv_p = _ops.mla_backward_padded(
-                    dout.index_select(0, second),
-                    q.index_select(0, second),
-                    kb,
-                    vb,
-                    out.index_select(0, second),
-                    lse.index_select(1, second).contiguous(),
-                    plan.cu_chunk,
-                    plan.cu_local,
-                    plan.max_chunk,
-                    plan.max_local,
-                    False,
-                    scale,
-                    backend_code,
-                )
-                dq.index_add_(0, second, dq_p.to(dq.dtype))
+                dq.index_add_(0, q_rows, dq_p.to(dq.dtype))
+            if kv_rows is not None:
+                dk_p = torch.zeros_like(kb).index_copy_(0, kv_rows, dk_p)
+                dv_p = torch.zeros_like(vb).index_copy_(0, kv_rows, dv_p)
             if acc_in is not None:  # this block's accumulator, from the previous rank
                 _wait(acc_reqs)
                 dk_p, dv_p = acc_in[0] + dk_p, acc_in[1] + dv_p
@@ -342,6 +282,11 @@ class CpPlan:
         self.key = (cp, rank, cp_layout, str(device), cu_seqlens_padded._version)
         if cp_layout == "zigzag":
             self._ring(cu, cp, device)
+
+    @property
+    def segments(self):
+        """The all-gather attention's varlen arguments: ``(cu_q, cu_kv, max_q, max_kv, causal)``."""
+        return self.cu_q, self.cu_kv, self.max_q, self.max_kv, True
 
     def _ring(self, cu, cp, device):
         # The ring's offsets: each sequence's local rows (2 chunks) or one chunk, and the local row

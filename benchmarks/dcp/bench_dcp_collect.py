@@ -17,16 +17,16 @@ one call on rank 0 (median of the repeats, every rank calling in step), results 
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
-import statistics
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: common.py
+import common  # noqa: E402  (puts the checkout on the path when verl_ops is not installed)
+
+common.use_tests_dir()
 
 BATCH, PER_MB = 256, 8
 
@@ -75,56 +75,20 @@ def bench_rank(rank, world_size, backend, reps):
         _same(verl_dcp.postprocess_dynamic_cp_batch(outputs, BATCH, group), theirs(outputs, BATCH, group))
     except AssertionError:
         equal = False
-    times = {}
-    for name, fn in (("verl", theirs), ("verl_ops", verl_dcp.postprocess_dynamic_cp_batch)):
-        ts = []
-        for _ in range(reps):
-            dist.barrier(group)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn(outputs, BATCH, group)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        times[name] = statistics.median(ts)
+    times = {
+        name: common.stepped_wall_time(lambda fn=fn: fn(outputs, BATCH, group), reps, group, device)
+        for name, fn in (("verl", theirs), ("verl_ops", verl_dcp.postprocess_dynamic_cp_batch))
+    }
     return equal, times, tokens
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: one GPU per rank")
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args()
-    import torch
-    from _dist import DistPool
-
-    pool = DistPool(args.world, args.backend, pg_timeout_s=120.0)
-    where = "on the CPU" if args.backend == "gloo" else f"({torch.cuda.get_device_name(0)} each)"
-    lines = [f"### postprocess_dynamic_cp_batch vs verl's, {args.world} {args.backend} ranks {where} "
-             f"(torch {torch.__version__})", "",
-             "| outputs | verl | verl_ops | speedup | results equal |", "|---|---|---|---|---|"]
-    print("\n".join(lines), flush=True)
-    try:
-        res = pool.run("bench_dcp_collect:bench_rank", args.backend, args.reps, timeout_s=900)
-        if res[0] is None:
-            print("verl's postprocess_dynamic_cp_batch not loadable (needs verl installed)")
-            return 1
-        equal, t, tokens = res[0]
-        ok = all(r[0] for r in res)
-        row = (f"| {BATCH} sequences, {tokens} tokens: log_probs + entropy fp32 jagged, values [256, 1] | "
-               f"{t['verl'] * 1e3:.1f} ms | {t['verl_ops'] * 1e3:.1f} ms | {t['verl'] / t['verl_ops']:.1f}x | "
-               f"{'yes' if ok else 'NO'} |")
-        lines.append(row)
-        print(row, flush=True)
-    finally:
-        pool.close()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    return 0
+    args = common.dist_arguments(__doc__).parse_args()
+    task = ("bench_dcp_collect:bench_rank", (args.backend, args.reps),
+            lambda tokens: f"{BATCH} sequences, {tokens} tokens: log_probs + entropy fp32 jagged, values [256, 1]")
+    return common.compare_with_verl(
+        args, "postprocess_dynamic_cp_batch", ["outputs", "results equal"], [task],
+        "verl's postprocess_dynamic_cp_batch not loadable (needs verl installed)")
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ import math
 import os
 import random
 import sys
-import tempfile
 
 import torch
 
@@ -174,17 +173,7 @@ def bench_postprocess(rank, world, device, args, rows):
 
 
 def run(rank, world, args, init_file=None):
-    if init_file is not None:
-        kwargs = {"init_method": f"file://{init_file}", "rank": rank, "world_size": world}
-    else:
-        kwargs = {}
-    if args.backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-        kwargs["device_id"] = device
-    else:
-        device = torch.device("cpu")
-    dist.init_process_group(args.backend, timeout=datetime.timedelta(seconds=300), **kwargs)
+    device = common.init_ranks(rank, world, args.backend, init_file, timeout_s=300)
     merge_rows, post_rows = [], []
     if args.only in (None, "merge"):
         bench_merge(rank, world, device, args, merge_rows)
@@ -232,18 +221,8 @@ def main():
     ap.add_argument("--out", default=None, help="write the markdown table here")
     ap.add_argument("--only", default=None, choices=["merge", "post"], help="run one of the two tables")
     args = ap.parse_args()
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-        return
     nproc = args.nproc or (torch.cuda.device_count() if args.backend == "nccl" else 2)
-    if nproc < 2:
-        raise SystemExit("bench_dist: needs at least 2 ranks (2 GPUs for nccl)")
-    with tempfile.TemporaryDirectory() as d:
-        torch.multiprocessing.spawn(_spawned, args=(nproc, args, os.path.join(d, "init")), nprocs=nproc, join=True)
-
-
-def _spawned(rank, world, args, init_file):
-    run(rank, world, args, init_file)
+    common.launch(run, args, nproc, "bench_dist: needs at least 2 ranks (2 GPUs for nccl)")
 
 
 if __name__ == "__main__":

@@ -16,17 +16,17 @@ GPU for the collectives and return the gathered map on the CPU, so the copies ar
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import random
-import statistics
 import sys
-import time
 import types
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "..", "..", "tests"))
+sys.path.insert(0, os.path.dirname(HERE))  # benchmarks/: common.py
+import common  # noqa: E402  (puts the checkout on the path when verl_ops is not installed)
+
+common.use_tests_dir()
 
 
 def _maps(kind, pp_world, layers, seed=0):
@@ -48,7 +48,6 @@ def _maps(kind, pp_world, layers, seed=0):
 
 def bench_rank(rank, world_size, backend, device, kind, layers, reps):
     import torch
-    import torch.distributed as dist
     from test_verl_pp import _rank_setup
 
     from verl_ops.integrations import verl_pp as pp
@@ -63,52 +62,25 @@ def bench_rank(rank, world_size, backend, device, kind, layers, reps):
         equal = torch.equal(a.offsets(), b.offsets()) and torch.equal(a.values(), b.values())
     else:
         equal = a.shape == b.shape and torch.equal(a, b)
-    times = {}
-    for name, fn in (("verl", theirs), ("verl_ops", pp.pp_gather)):
-        ts = []
-        for _ in range(reps):
-            dist.barrier(group)
-            t0 = time.perf_counter()
-            fn(local, tf)
-            ts.append(time.perf_counter() - t0)
-        times[name] = statistics.median(ts)
+    times = {
+        name: common.stepped_wall_time(lambda fn=fn: fn(local, tf), reps, group)
+        for name, fn in (("verl", theirs), ("verl_ops", pp.pp_gather))
+    }
     return equal, times, tuple(a.shape) if not a.is_nested else (a.size(0), "j", *a.shape[2:])
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--backend", default="gloo", choices=["gloo", "nccl"], help="nccl: one GPU per rank")
+    ap = common.dist_arguments(__doc__)
     ap.add_argument("--layers", type=int, default=24)
-    ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    import torch
-    from _dist import DistPool
-
-    pool = DistPool(args.world, args.backend, pg_timeout_s=120.0)
-    where = "on the CPU" if args.backend == "gloo" else f"({torch.cuda.get_device_name(0)} each)"
-    lines = [f"### pp_gather vs verl's, {args.world} {args.backend} ranks {where} (torch {torch.__version__})", "",
-             "| map | gathered shape | verl | verl_ops | speedup | outputs equal |", "|---|---|---|---|---|---|"]
-    print("\n".join(lines), flush=True)
-    try:
-        for kind in ("jagged", "dense"):
-            res = pool.run("bench_pp_gather:bench_rank", args.backend, "cpu", kind, args.layers, args.reps, timeout_s=900)
-            if res[0] is None:
-                print("verl's pp_gather not loadable (needs verl and megatron-core installed)")
-                return 1
-            equal, t, shape = res[0]
-            ok = all(r[0] for r in res)
-            row = (f"| {kind} int16, {args.layers} layers/stage | {shape} | {t['verl'] * 1e3:.1f} ms | "
-                   f"{t['verl_ops'] * 1e3:.1f} ms | {t['verl'] / t['verl_ops']:.1f}x | {'yes' if ok else 'NO'} |")
-            lines.append(row)
-            print(row, flush=True)
-    finally:
-        pool.close()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    return 0
+    tasks = [
+        ("bench_pp_gather:bench_rank", (args.backend, "cpu", kind, args.layers, args.reps),
+         lambda shape, kind=kind: f"{kind} int16, {args.layers} layers/stage | {shape}")
+        for kind in ("jagged", "dense")
+    ]
+    return common.compare_with_verl(
+        args, "pp_gather", ["map", "gathered shape", "outputs equal"], tasks,
+        "verl's pp_gather not loadable (needs verl and megatron-core installed)")
 
 
 if __name__ == "__main__":

@@ -9,10 +9,8 @@
 #   VERSIONS="v0" OUT=/some/dir bash benchmarks/device/gpu_dist.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 DEADLINE="${DEADLINE:-560}"
-source benchmarks/device/deadline_lib.sh  # START, left, cap, step
+source benchmarks/device/deadline_lib.sh  # OUT, START, left, cap, step, want
 NPROC="${NPROC:-$(nvidia-smi -L | wc -l)}"
 VERSIONS_DIR="${VERSIONS_DIR:-.dcp_versions}"
 

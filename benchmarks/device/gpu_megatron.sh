@@ -14,12 +14,9 @@
 #   OUT=/some/dir MCORE="0.19.2" STEPS="build site tests" bash benchmarks/device/gpu_megatron.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 DEADLINE="${DEADLINE:-560}"
-source benchmarks/device/deadline_lib.sh  # START, left, cap, step
+source benchmarks/device/deadline_lib.sh  # OUT, START, left, cap, step, want
 STEPS=" ${STEPS:-build site tests sanitizer bench cpbench} "
-want() { [[ "$STEPS" == *" $1 "* ]]; }
 MCORE="${MCORE:-0.16.1 0.19.2}"
 BENCH_MCORE="${BENCH_MCORE:-${MCORE##* }}"
 NGPU=$(nvidia-smi -L | wc -l)

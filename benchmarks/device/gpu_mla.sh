@@ -15,12 +15,9 @@
 #   OUT=/some/dir bash benchmarks/device/gpu_mla.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
-OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
 DEADLINE="${DEADLINE:-420}"
-source benchmarks/device/deadline_lib.sh  # START, left, cap, step
+source benchmarks/device/deadline_lib.sh  # OUT, START, left, cap, step, want
 STEPS=" ${STEPS:-build smoke tests sanitizer bench} "
-want() { [[ "$STEPS" == *" $1 "* ]]; }
 
 step "device"
 { nvidia-smi -L; nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

@@ -165,7 +165,7 @@ def _causal_per_sequence(q, k, v, cu, scale):
     return torch.cat(parts)
 
 
-class VerlFlashMLACoreAttention(torch.nn.Module):
+class VerlFlashMLACoreAttention(mml.CoreAttentionArguments):
     """Megatron's MLA core attention on the THD path as verl runs it: V zero-padded to the
     query head dim, varlen FlashAttention, output trimmed back to the value head dim.
 
@@ -175,17 +175,9 @@ class VerlFlashMLACoreAttention(torch.nn.Module):
     what verl's patch of ``MultiLatentAttention.forward`` does around the core attention.
     """
 
-    def __init__(self, config, layer_number, attn_mask_type, attention_type, attention_dropout=None,
-                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None):
-        super().__init__()
-        self.config = config
-        self.layer_number = layer_number
-        self.attn_mask_type = attn_mask_type
-        self.attention_type = attention_type
-        self.softmax_scale = softmax_scale
-        self.k_channels = k_channels
-        self.v_channels = v_channels
-        self.hidden_size_per_attention_head_v = v_channels
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.hidden_size_per_attention_head_v = self.v_channels
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None, **kwargs):

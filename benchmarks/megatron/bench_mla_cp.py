@@ -41,7 +41,6 @@ import json
 import math
 import os
 import sys
-import tempfile
 import traceback
 
 import torch
@@ -258,18 +257,13 @@ def markdown(rows):
 
 
 def run(rank, world, args, init_file=None):
-    kwargs = {"init_method": f"file://{init_file}", "rank": rank, "world_size": world} if init_file else {}
     backend = "gloo" if args.tiny else "nccl"
     if backend == "nccl":
-        local = int(os.environ.get("LOCAL_RANK", rank))
-        torch.cuda.set_device(local % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-        kwargs["device_id"] = device
         dtype = torch.bfloat16
     else:
-        device, dtype = torch.device("cpu"), torch.float32
+        dtype = torch.float32
         torch.set_num_threads(1)
-    dist.init_process_group(backend, timeout=datetime.timedelta(seconds=600), **kwargs)
+    device = common.init_ranks(rank, world, backend, init_file, timeout_s=600)
     if args.tiny:
         lengths = rl_ragged_lengths(args.seed, tokens=384, median=60, sigma=0.9, lo=4, hi=200)
         heads_list = [2, 4]
@@ -330,18 +324,8 @@ def main():
     args = ap.parse_args()
     args.repeats = args.repeats or (3 if args.tiny else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 3)
-    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
-        run(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), args)
-        return
     nproc = args.nproc or (2 if args.tiny else torch.cuda.device_count())
-    if nproc < 2:
-        raise SystemExit("bench_mla_cp: needs at least 2 ranks (2 GPUs without --tiny)")
-    with tempfile.TemporaryDirectory() as d:
-        torch.multiprocessing.spawn(_spawned, args=(nproc, args, os.path.join(d, "init")), nprocs=nproc, join=True)
-
-
-def _spawned(rank, world, args, init_file):
-    run(rank, world, args, init_file)
+    common.launch(run, args, nproc, "bench_mla_cp: needs at least 2 ranks (2 GPUs without --tiny)")
 
 
 if __name__ == "__main__":
