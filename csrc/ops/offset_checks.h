@@ -1,4 +1,5 @@
-// Checks of the THD offsets (cu_seqlens, cu_seqlens_padded) that the THD and router ops share.
+// Checks of the THD offsets (cu_seqlens, cu_seqlens_padded) and of the attention mask that the THD
+// and router ops share.
 // Inline: verl_ops._C_layers compiles router_ops.cpp without thd_ops.cpp.
 #pragma once
 
@@ -55,6 +56,29 @@ inline int64_t check_host_offsets(const char* op, const st::Tensor& cu, const st
                i, " has ", padded);
   }
   return p[B];
+}
+
+// attention_mask: bool [B, S] on the data's device, one row per sequence of the layout.
+inline void check_mask_arg(const char* op, const st::Tensor& mask, int64_t batch, const st::Tensor& data) {
+  VERL_CHECK(mask.scalar_type() == st::kBool, op, ": attention_mask must be bool, got ",
+             st::dtype_name(mask.scalar_type()));
+  VERL_CHECK(mask.dim() == 2, op, ": attention_mask must be [B, S], got shape ", st::shape_of(mask));
+  check_on_data_device(op, "attention_mask", mask, data);
+  VERL_CHECK(mask.size(0) == batch, op, ": attention_mask has ", mask.size(0), " rows but the layout has ", batch,
+             " sequences");
+}
+
+// A host mask (as its inclusive prefix counts, [B, S] int32) against a host layout: row i holds
+// sequence i's tokens.
+inline void check_host_mask(const char* op, const st::Tensor& mask_csum, const st::Tensor& cu) {
+  const int64_t B = mask_csum.size(0), S = mask_csum.size(1);
+  const int32_t* m = st::ptr<int32_t>(mask_csum);
+  const int32_t* c = st::ptr<int32_t>(cu);
+  for (int64_t i = 0; i < B; ++i) {
+    const int64_t count = S > 0 ? m[i * S + S - 1] : 0;
+    VERL_CHECK(count == c[i + 1] - c[i], op, ": attention_mask row ", i, " has ", count,
+               " valid tokens but the layout says ", c[i + 1] - c[i]);
+  }
 }
 
 }  // namespace ops

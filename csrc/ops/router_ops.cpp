@@ -46,23 +46,9 @@ void check_host_layout(const char* op, const Tensor& cu, const Tensor& cu_padded
 
 // [B, S] bool mask -> int32 inclusive prefix counts; on the host also the per-row counts.
 Tensor mask_csum_of(const char* op, const Tensor& mask, int64_t batch, const Tensor& data, const Tensor& cu) {
-  VERL_CHECK(mask.scalar_type() == st::kBool, op, ": attention_mask must be bool, got ",
-             st::dtype_name(mask.scalar_type()));
-  VERL_CHECK(mask.dim() == 2, op, ": attention_mask must be [B, S], got shape ", st::shape_of(mask));
-  check_on_data_device(op, "attention_mask", mask, data);
-  VERL_CHECK(mask.size(0) == batch, op, ": attention_mask has ", mask.size(0), " rows but the layout has ", batch,
-             " sequences");
+  check_mask_arg(op, mask, batch, data);
   Tensor csum = st::cumsum_int32(mask);
-  if (data.is_cpu()) {
-    const int64_t S = mask.size(1);
-    const int32_t* m = st::ptr<int32_t>(csum);
-    const int32_t* c = st::ptr<int32_t>(cu);
-    for (int64_t i = 0; i < batch; ++i) {
-      const int64_t count = S > 0 ? m[i * S + S - 1] : 0;
-      VERL_CHECK(count == c[i + 1] - c[i], op, ": attention_mask row ", i, " has ", count,
-                 " valid tokens but the layout says ", c[i + 1] - c[i]);
-    }
-  }
+  if (data.is_cpu()) check_host_mask(op, csum, cu);
   return csum;
 }
 

@@ -20,26 +20,9 @@ void check_host_layout(const char* op, const Tensor& cu, const Tensor& cu_padded
              " must equal cp_size * local_rows = ", cp_size, " * ", local_rows);
 }
 
-void check_host_mask(const char* op, const Tensor& mask_csum, const Tensor& cu) {
-  const int64_t B = mask_csum.size(0), S = mask_csum.size(1);
-  const int32_t* m = st::ptr<int32_t>(mask_csum);
-  const int32_t* c = st::ptr<int32_t>(cu);
-  for (int64_t i = 0; i < B; ++i) {
-    const int64_t count = S > 0 ? m[i * S + S - 1] : 0;
-    VERL_CHECK(count == c[i + 1] - c[i], op, ": attention_mask row ", i, " has ", count,
-               " valid tokens but the layout says ", c[i + 1] - c[i]);
-  }
-}
-
 Tensor check_mask(const char* op, const Tensor& mask, const Tensor& data, int64_t batch,
                   bool data_is_padded_values) {
-  VERL_CHECK(mask.scalar_type() == st::kBool, op, ": attention_mask must be bool, got ",
-             st::dtype_name(mask.scalar_type()));
-  VERL_CHECK(mask.dim() == 2, op, ": attention_mask must be [B, S], got shape ", st::shape_of(mask));
-  VERL_CHECK(st::same_device(mask, data), op, ": attention_mask is on ", st::device_of(mask),
-             " but the data is on ", st::device_of(data));
-  VERL_CHECK(mask.size(0) == batch, op, ": attention_mask has ", mask.size(0),
-             " rows but the layout has ", batch, " sequences");
+  check_mask_arg(op, mask, batch, data);
   if (data_is_padded_values) {
     VERL_CHECK(data.dim() >= 2 && data.size(0) == mask.size(0) && data.size(1) == mask.size(1), op,
                ": padded input must be [B, S, *F] matching attention_mask ", st::shape_of(mask),
@@ -50,6 +33,30 @@ Tensor check_mask(const char* op, const Tensor& mask, const Tensor& data, int64_
 
 core::ShardSpec make_spec(const Tensor& cu, int64_t local_rows, int64_t cp_size, core::CpLayout layout) {
   return core::ShardSpec{cu.size(0) - 1, local_rows, static_cast<int32_t>(cp_size), layout};
+}
+
+// The arguments pack and unpack check alike: the CP layout and ranks (-1: all ranks), the offsets
+// on the data's device.
+core::CpLayout check_cp_args(const char* op, const Tensor& cu_seqlens, const Tensor& cu_seqlens_padded,
+                             const Tensor& data, int64_t cp_size, int64_t cp_rank, int64_t cp_layout) {
+  const core::CpLayout layout = st::cp_layout_arg(op, cp_layout);
+  st::check_cp(op, cp_size, cp_rank, /*allow_all=*/true);
+  check_offset_pair(op, cu_seqlens, cu_seqlens_padded, data);
+  return layout;
+}
+
+// The fields PackPlan and UnpackPlan share, pointing into the call's contiguous offsets and (padded
+// data: S = seq_capacity columns) its mask's prefix counts.
+template <typename Call>
+void set_layout_plan(Call& call, bool padded, int64_t seq_capacity, int64_t local_rows, int64_t cp_size,
+                     core::CpLayout layout, int64_t cp_rank, bool roll) {
+  call.plan.cu_seqlens = st::ptr<int32_t>(call.cu);
+  call.plan.cu_seqlens_padded = st::ptr<int32_t>(call.cu_padded);
+  call.plan.mask_csum = padded ? st::ptr<int32_t>(call.mask_csum) : nullptr;
+  call.plan.seq_capacity = padded ? seq_capacity : 0;
+  call.plan.spec = make_spec(call.cu, local_rows, cp_size, layout);
+  call.plan.cp_rank = static_cast<int32_t>(cp_rank);
+  call.plan.roll = roll;
 }
 
 // `x` (named `name` in errors), a 1-D CPU tensor of any integer dtype, as contiguous int64.
@@ -201,9 +208,8 @@ PackCall prepare_pack(const Tensor& values, const Tensor& cu_seqlens,
                       int64_t cp_rank, int64_t cp_layout, bool roll,
                       const std::optional<Tensor>& attention_mask) {
   constexpr const char* op = "preprocess_thd";
-  const core::CpLayout layout = st::cp_layout_arg(op, cp_layout);
-  st::check_cp(op, cp_size, cp_rank, /*allow_all=*/true);
-  check_offset_pair(op, cu_seqlens, cu_seqlens_padded, values);
+  const core::CpLayout layout =
+      check_cp_args(op, cu_seqlens, cu_seqlens_padded, values, cp_size, cp_rank, cp_layout);
   VERL_CHECK(local_rows >= 0, op, ": local_rows must be >= 0, got ", local_rows);
   const int64_t B = cu_seqlens.size(0) - 1;
   const bool padded_input = attention_mask.has_value();
@@ -238,14 +244,8 @@ PackCall prepare_pack(const Tensor& values, const Tensor& cu_seqlens,
   call.positions = st::output(
       op, "local_rows", values, std::vector<int64_t>(out_shape.begin(), out_shape.begin() + (cp_rank < 0 ? 2 : 1)), st::kLong);
 
-  call.plan.cu_seqlens = st::ptr<int32_t>(call.cu);
-  call.plan.cu_seqlens_padded = st::ptr<int32_t>(call.cu_padded);
-  call.plan.mask_csum = padded_input ? st::ptr<int32_t>(call.mask_csum) : nullptr;
-  call.plan.seq_capacity = padded_input ? values.size(1) : 0;
+  set_layout_plan(call, padded_input, padded_input ? values.size(1) : 0, local_rows, cp_size, layout, cp_rank, roll);
   call.plan.src_rows = padded_input ? values.size(0) * values.size(1) : values.size(0);
-  call.plan.spec = make_spec(call.cu, local_rows, cp_size, layout);
-  call.plan.cp_rank = static_cast<int32_t>(cp_rank);
-  call.plan.roll = roll;
   return call;
 }
 
@@ -254,9 +254,8 @@ UnpackCall prepare_unpack(const Tensor& packed, const Tensor& cu_seqlens,
                           int64_t cp_rank, int64_t cp_layout, bool roll,
                           const std::optional<Tensor>& attention_mask) {
   constexpr const char* op = "postprocess_thd";
-  const core::CpLayout layout = st::cp_layout_arg(op, cp_layout);
-  st::check_cp(op, cp_size, cp_rank, /*allow_all=*/true);
-  check_offset_pair(op, cu_seqlens, cu_seqlens_padded, packed);
+  const core::CpLayout layout =
+      check_cp_args(op, cu_seqlens, cu_seqlens_padded, packed, cp_size, cp_rank, cp_layout);
   const int64_t B = cu_seqlens.size(0) - 1;
   const int64_t skip = cp_rank < 0 ? 2 : 1;
   VERL_CHECK(packed.dim() >= skip, op, ": packed must be ",
@@ -302,14 +301,9 @@ UnpackCall prepare_unpack(const Tensor& packed, const Tensor& cu_seqlens,
   call.out =
       st::output(op, padded_output ? "attention_mask" : "total_tokens", packed, out_shape, packed.scalar_type());
 
-  call.plan.cu_seqlens = st::ptr<int32_t>(call.cu);
-  call.plan.cu_seqlens_padded = st::ptr<int32_t>(call.cu_padded);
-  call.plan.mask_csum = padded_output ? st::ptr<int32_t>(call.mask_csum) : nullptr;
-  call.plan.seq_capacity = padded_output ? attention_mask->size(1) : 0;
+  set_layout_plan(call, padded_output, padded_output ? attention_mask->size(1) : 0, local_rows, cp_size, layout,
+                  cp_rank, roll);
   call.plan.packed_rows = (cp_rank < 0 ? cp_size : 1) * local_rows;
-  call.plan.spec = make_spec(call.cu, local_rows, cp_size, layout);
-  call.plan.cp_rank = static_cast<int32_t>(cp_rank);
-  call.plan.roll = roll;
   return call;
 }
 

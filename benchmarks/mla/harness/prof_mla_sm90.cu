@@ -3,25 +3,8 @@
 // a naive fp32 reference (thread per row and head), max errors, then TFLOP/s (causal: L(L+1)/2
 // pairs per sequence). Usage: prof_mla_sm90 HEADS CAUSAL CHECK ITERS (LENGTHS... | rl SEED);
 // HKDIV=g divides the kv heads (grouped heads). Built and run by benchmarks/mla/harness/prof_mla_sm90.sh.
-#include <cuda_bf16.h>
-#include <cstdio>
-#include <cstdlib>
-#include <cmath>
-#include <vector>
-#include <random>
-#include <string>
-#include <algorithm>
+#include "prof_common.cuh"
 #include "../../../csrc/mla/sm90/mla_sm90_fwd.h"
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
-
-__global__ void init_kernel(__nv_bfloat16* x, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed; z ^= z >> 31; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 29;
-    float u = ((z >> 40) & 0xFFFFFF) / 16777216.0f;
-    x[i] = __float2bfloat16((u - 0.5f) * 4.0f);
-  }
-}
 
 // thread per (row, head)
 __global__ void ref_kernel(const __nv_bfloat16* q, const __nv_bfloat16* k, const __nv_bfloat16* v,
@@ -99,21 +82,10 @@ static void trace_report() {
 #endif
 
 int main(int argc, char** argv) {
-  // usage: harness <heads> <causal> <check> <iters> lengths... | rl <seed>
-  int hq = atoi(argv[1]), causal = atoi(argv[2]), check = atoi(argv[3]), iters = atoi(argv[4]);
-  int hk = getenv("HKDIV") ? hq / atoi(getenv("HKDIV")) : hq;
-  std::vector<int> lens;
-  if (std::string(argv[5]) == "rl") {
-    std::mt19937_64 rng(atoi(argv[6]));
-    std::lognormal_distribution<double> ln(std::log(1500.0), 0.9);
-    int total = 0;
-    while (total < 32768) { int x = std::min(8192, std::max(64, (int)ln(rng))); lens.push_back(x); total += x; }
-  } else {
-    for (int i = 5; i < argc; ++i) lens.push_back(atoi(argv[i]));
-  }
-  std::vector<int> cu(1, 0);
-  for (int x : lens) cu.push_back(cu.back() + x);
-  int batch = lens.size(), T = cu.back(), maxlen = *std::max_element(lens.begin(), lens.end());
+  const Batch bt = parse_batch(argc, argv);
+  const int hq = bt.hq, hk = bt.hk, causal = bt.causal, check = bt.check, iters = bt.iters;
+  const int batch = bt.batch, T = bt.T, maxlen = bt.maxlen;
+  const std::vector<int>& cu = bt.cu;
   __nv_bfloat16 *q, *k, *v, *o; float* lse; int* dcu;
   CK(cudaMalloc(&q, (size_t)T * hq * 192 * 2)); CK(cudaMalloc(&k, (size_t)T * hk * 192 * 2));
   CK(cudaMalloc(&v, (size_t)T * hk * 128 * 2)); CK(cudaMalloc(&o, (size_t)T * hq * 128 * 2));
@@ -127,7 +99,7 @@ int main(int argc, char** argv) {
   verl_ops::cuda::Sm90FwdArgs a{q, k, v, o, lse, dcu, dcu, ord, batch, T, T, hq, hk, maxlen, scale, (bool)causal, true, false};
   CK(verl_ops::cuda::launch_sm90_forward(a, 0));
   CK(cudaDeviceSynchronize());
-  printf("lens(%d):", batch); for (int i = 0; i < std::min(batch, 40); ++i) printf(" %d", lens[i]); printf("  T=%d H=%d causal=%d\n", T, hq, causal);
+  print_lens(bt); printf("  T=%d H=%d causal=%d\n", T, hq, causal);
   if (check) {
     float *ro, *rl; CK(cudaMalloc(&ro, (size_t)T * hq * 128 * 4)); CK(cudaMalloc(&rl, (size_t)T * hq * 4));
     int64_t n = (int64_t)T * hq;
@@ -160,15 +132,8 @@ int main(int argc, char** argv) {
   }
 #endif
   if (iters > 0) {
-    double flops = 0;
-    for (int L : lens) { double pairs = causal ? (double)L * (L + 1) / 2 : (double)L * L; flops += pairs * hq * 2.0 * (192 + 128); }
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-    for (int i = 0; i < 3; ++i) verl_ops::cuda::launch_sm90_forward(a, 0);
-    cudaEventRecord(e0);
-    for (int i = 0; i < iters; ++i) verl_ops::cuda::launch_sm90_forward(a, 0);
-    cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-    float ms; cudaEventElapsedTime(&ms, e0, e1); ms /= iters;
-    printf("TIME %.4f ms  %.1f TFLOP/s\n", ms, flops / ms / 1e9);
+    const float ms = time_ms(iters, [&] { verl_ops::cuda::launch_sm90_forward(a, 0); });
+    printf("TIME %.4f ms  %.1f TFLOP/s\n", ms, batch_flops(bt, 2.0 * (192 + 128)) / ms / 1e9);
   }
   return 0;
 }

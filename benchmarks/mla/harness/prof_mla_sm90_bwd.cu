@@ -5,26 +5,9 @@
 // largest entry, then the backward's TFLOP/s (causal: L(L+1)/2 pairs per sequence, 2 * 832 FLOPs
 // per pair and head). Usage: prof_mla_sm90_bwd HEADS CAUSAL CHECK ITERS (LENGTHS... | rl SEED);
 // HKDIV=g divides the kv heads (grouped heads). Built and run by benchmarks/mla/harness/prof_mla_sm90_bwd.sh.
-#include <cuda_bf16.h>
-#include <cstdio>
-#include <cstdlib>
-#include <cmath>
-#include <vector>
-#include <random>
-#include <string>
-#include <algorithm>
+#include "prof_common.cuh"
 #include "../../../csrc/mla/sm90/mla_sm90_fwd.h"
 #include "../../../csrc/mla/sm90/mla_sm90_bwd.h"
-
-#define CK(x) do { cudaError_t e = (x); if (e != cudaSuccess) { printf("CUDA %s at %d: %s\n", #x, __LINE__, cudaGetErrorString(e)); exit(1);} } while (0)
-
-__global__ void init_kernel(__nv_bfloat16* x, int64_t n, uint64_t seed) {
-  for (int64_t i = blockIdx.x * (int64_t)blockDim.x + threadIdx.x; i < n; i += (int64_t)gridDim.x * blockDim.x) {
-    uint64_t z = (i + 1) * 0x9E3779B97F4A7C15ull ^ seed; z ^= z >> 31; z *= 0xBF58476D1CE4E5B9ull; z ^= z >> 29;
-    float u = ((z >> 40) & 0xFFFFFF) / 16777216.0f;
-    x[i] = __float2bfloat16((u - 0.5f) * 4.0f);
-  }
-}
 
 __device__ float bf(const __nv_bfloat16 x) { return __bfloat162float(x); }
 
@@ -130,20 +113,10 @@ static double rel_err(const __nv_bfloat16* got_d, const float* want_d, int64_t n
 }
 
 int main(int argc, char** argv) {
-  int hq = atoi(argv[1]), causal = atoi(argv[2]), check = atoi(argv[3]), iters = atoi(argv[4]);
-  int hk = getenv("HKDIV") ? hq / atoi(getenv("HKDIV")) : hq;
-  std::vector<int> lens;
-  if (std::string(argv[5]) == "rl") {
-    std::mt19937_64 rng(atoi(argv[6]));
-    std::lognormal_distribution<double> ln(std::log(1500.0), 0.9);
-    int total = 0;
-    while (total < 32768) { int x = std::min(8192, std::max(64, (int)ln(rng))); lens.push_back(x); total += x; }
-  } else {
-    for (int i = 5; i < argc; ++i) lens.push_back(atoi(argv[i]));
-  }
-  std::vector<int> cu(1, 0);
-  for (int x : lens) cu.push_back(cu.back() + x);
-  int batch = lens.size(), T = cu.back(), maxlen = *std::max_element(lens.begin(), lens.end());
+  const Batch bt = parse_batch(argc, argv);
+  const int hq = bt.hq, hk = bt.hk, causal = bt.causal, check = bt.check, iters = bt.iters;
+  const int batch = bt.batch, T = bt.T, maxlen = bt.maxlen;
+  const std::vector<int>& cu = bt.cu;
   __nv_bfloat16 *q, *k, *v, *o, *dout, *dq, *dk, *dv; float *lse, *acc; float2* lse_d; int *dcu, *ws;
   CK(cudaMalloc(&q, (size_t)T * hq * 192 * 2)); CK(cudaMalloc(&k, (size_t)T * hk * 192 * 2));
   CK(cudaMalloc(&v, (size_t)T * hk * 128 * 2)); CK(cudaMalloc(&o, (size_t)T * hq * 128 * 2));
@@ -164,7 +137,7 @@ int main(int argc, char** argv) {
                                  batch, T, T, hq, hk, scale, (bool)causal, true, false};
   CK(verl_ops::cuda::launch_sm90_backward(ba, 0));
   CK(cudaDeviceSynchronize());
-  printf("lens(%d):", batch); for (int i = 0; i < std::min(batch, 40); ++i) printf(" %d", lens[i]); printf("  T=%d H=%d Hk=%d causal=%d\n", T, hq, hk, causal);
+  print_lens(bt); printf("  T=%d H=%d Hk=%d causal=%d\n", T, hq, hk, causal);
   if (check) {
     float *rl, *rd, *rdq, *rdk, *rdv;
     CK(cudaMalloc(&rl, (size_t)T * hq * 4)); CK(cudaMalloc(&rd, (size_t)T * hq * 4));
@@ -181,15 +154,8 @@ int main(int argc, char** argv) {
     printf("CHECK %s: dQ %.3g dK %.3g dV %.3g (max error / max |ref|)\n", bad ? "FAIL" : "ok", eq, ek, ev);
   }
   if (iters > 0) {
-    double flops = 0;
-    for (int L : lens) { double pairs = causal ? (double)L * (L + 1) / 2 : (double)L * L; flops += pairs * hq * 2.0 * 832; }
-    cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-    for (int i = 0; i < 3; ++i) verl_ops::cuda::launch_sm90_backward(ba, 0);
-    cudaEventRecord(e0);
-    for (int i = 0; i < iters; ++i) verl_ops::cuda::launch_sm90_backward(ba, 0);
-    cudaEventRecord(e1); CK(cudaEventSynchronize(e1));
-    float ms; cudaEventElapsedTime(&ms, e0, e1); ms /= iters;
-    printf("TIME %.4f ms  %.1f TFLOP/s (backward)\n", ms, flops / ms / 1e9);
+    const float ms = time_ms(iters, [&] { verl_ops::cuda::launch_sm90_backward(ba, 0); });
+    printf("TIME %.4f ms  %.1f TFLOP/s (backward)\n", ms, batch_flops(bt, 2.0 * 832) / ms / 1e9);
   }
   return 0;
 }

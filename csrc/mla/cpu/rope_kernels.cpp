@@ -31,37 +31,34 @@ inline T materialise(T v) {
   return t;
 }
 
-struct F32 {
-  using Store = float;
-  using Acc = float;
+// float and double: computed in their own type.
+template <typename T>
+struct Native {
+  using Store = T;
+  using Acc = T;
   static Acc load(Store v) { return v; }
   static Store store(Acc v) { return v; }
   static Acc round(Acc v) { return materialise(v); }
 };
 
-struct F64 {
-  using Store = double;
-  using Acc = double;
-  static Acc load(Store v) { return v; }
-  static Store store(Acc v) { return v; }
-  static Acc round(Acc v) { return materialise(v); }
+// A 16-bit type computed in float, every product rounded to the stored type (as Megatron's
+// elementwise ops in that dtype do).
+template <typename S, float (*Widen)(S), S (*Narrow)(float)>
+struct Half {
+  using Store = S;
+  using Acc = float;
+  static Acc load(Store v) { return Widen(v); }
+  static Store store(Acc v) { return Narrow(v); }
+  static Acc round(Acc v) { return Widen(Narrow(v)); }
 };
 
-struct BF16 {
-  using Store = uint16_t;
-  using Acc = float;
-  static Acc load(Store v) { return bf16_to_float(v); }
-  static Store store(Acc v) { return float_to_bf16(v); }
-  static Acc round(Acc v) { return bf16_to_float(float_to_bf16(v)); }
-};
+inline float f16_to_float(_Float16 h) { return static_cast<float>(h); }
+inline _Float16 float_to_f16(float f) { return static_cast<_Float16>(f); }
 
-struct F16 {
-  using Store = _Float16;
-  using Acc = float;
-  static Acc load(Store v) { return static_cast<float>(v); }
-  static Store store(Acc v) { return static_cast<_Float16>(v); }
-  static Acc round(Acc v) { return static_cast<float>(static_cast<_Float16>(v)); }
-};
+using F32 = Native<float>;
+using F64 = Native<double>;
+using F16 = Half<_Float16, f16_to_float, float_to_f16>;
+using BF16 = Half<uint16_t, bf16_to_float, float_to_bf16>;
 
 template <typename D>
 void rope_rows(const core::RopeProblem& p, const void* x_, const void* cos_, const void* sin_,

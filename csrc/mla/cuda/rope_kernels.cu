@@ -15,38 +15,36 @@ namespace {
 
 constexpr int kBlock = 256;
 
-struct F32 {
-  using Store = float;
-  using Acc = float;
+// __fadd_rn / __dadd_rn are never contracted into a fused multiply-add: the product is rounded on
+// its own.
+__device__ __forceinline__ float round_alone(float v) { return __fadd_rn(v, 0.0f); }
+__device__ __forceinline__ double round_alone(double v) { return __dadd_rn(v, 0.0); }
+
+// float and double: computed in their own type.
+template <typename T>
+struct Native {
+  using Store = T;
+  using Acc = T;
   static __device__ __forceinline__ Acc load(Store v) { return v; }
   static __device__ __forceinline__ Store store(Acc v) { return v; }
-  // __fadd_rn is never contracted into a fused multiply-add: the product is rounded on its own.
-  static __device__ __forceinline__ Acc round(Acc v) { return __fadd_rn(v, 0.0f); }
+  static __device__ __forceinline__ Acc round(Acc v) { return round_alone(v); }
 };
 
-struct F64 {
-  using Store = double;
-  using Acc = double;
-  static __device__ __forceinline__ Acc load(Store v) { return v; }
-  static __device__ __forceinline__ Store store(Acc v) { return v; }
-  static __device__ __forceinline__ Acc round(Acc v) { return __dadd_rn(v, 0.0); }
-};
-
-struct F16 {
-  using Store = __half;
+// A 16-bit type computed in float, every product rounded to the stored type (as Megatron's
+// elementwise ops in that dtype do).
+template <typename S, float (*Widen)(S), S (*Narrow)(float)>
+struct Half {
+  using Store = S;
   using Acc = float;
-  static __device__ __forceinline__ Acc load(Store v) { return __half2float(v); }
-  static __device__ __forceinline__ Store store(Acc v) { return __float2half_rn(v); }
-  static __device__ __forceinline__ Acc round(Acc v) { return __half2float(__float2half_rn(v)); }
+  static __device__ __forceinline__ Acc load(Store v) { return Widen(v); }
+  static __device__ __forceinline__ Store store(Acc v) { return Narrow(v); }
+  static __device__ __forceinline__ Acc round(Acc v) { return Widen(Narrow(v)); }
 };
 
-struct BF16 {
-  using Store = __nv_bfloat16;
-  using Acc = float;
-  static __device__ __forceinline__ Acc load(Store v) { return __bfloat162float(v); }
-  static __device__ __forceinline__ Store store(Acc v) { return __float2bfloat16_rn(v); }
-  static __device__ __forceinline__ Acc round(Acc v) { return __bfloat162float(__float2bfloat16_rn(v)); }
-};
+using F32 = Native<float>;
+using F64 = Native<double>;
+using F16 = Half<__half, __half2float, __float2half_rn>;
+using BF16 = Half<__nv_bfloat16, __bfloat162float, __float2bfloat16_rn>;
 
 template <typename D>
 __global__ void __launch_bounds__(kBlock)

@@ -1,5 +1,5 @@
 // Host-side pieces both SM90 launchers share: the tensor maps TMA reads through, the device test,
-// the SM count and the shared-memory opt-in.
+// the SM count, the schedule's launch and the shared-memory opt-in.
 #pragma once
 
 #include <cuda.h>
@@ -11,6 +11,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+
+#include "tile_scheduler.cuh"
 
 namespace verl_ops {
 namespace cuda {
@@ -109,6 +111,19 @@ void set_shared_params(Params& p, const Args& a) {
   p.scale_log2 = a.scale * 1.4426950408889634f;
   p.causal = a.causal ? 1 : 0;
   p.bottom_right = a.bottom_right ? 1 : 0;
+}
+
+// The schedule (tile_scheduler.cuh) into the workspace of 2 * batch + 2 ints: the order (p.order),
+// the tile prefix (p.tile_prefix) and the counter. It ranks the sequences by their length in `cu`
+// (`rows` rows: query rows for the forward, keys for the backward), in tiles of kRows rows per head.
+template <int kRows, class Params>
+void launch_schedule(Params& p, int32_t* workspace, const int32_t* cu, int64_t rows, int64_t batch,
+                     int64_t heads, cudaStream_t stream) {
+  p.order = workspace;
+  p.tile_prefix = workspace + batch;
+  schedule_kernel<kRows><<<1, kScheduleThreads, 0, stream>>>(
+      cu, rows, static_cast<int>(batch), static_cast<int>(heads), workspace, workspace + batch,
+      workspace + 2 * batch + 1);
 }
 
 // Lets kKernel use `bytes` of dynamic shared memory on the current device, once per device

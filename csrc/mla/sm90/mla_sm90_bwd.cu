@@ -110,11 +110,7 @@ cudaError_t launch_sm90_backward(const Sm90BwdArgs& a, cudaStream_t stream) {
     return err;
   }
   bwd::Params p;
-  p.order = a.workspace;
-  p.tile_prefix = a.workspace + a.batch;
-  schedule_kernel<bwd::kBN><<<1, kScheduleThreads, 0, stream>>>(
-      a.cu_kv, a.tk, static_cast<int>(a.batch), static_cast<int>(a.hk), a.workspace,
-      a.workspace + a.batch, a.workspace + 2 * a.batch + 1);
+  launch_schedule<bwd::kBN>(p, a.workspace, a.cu_kv, a.tk, a.batch, a.hk, stream);
   p.lse_d = a.lse_d;
   p.dq_accum = a.dq_accum;
   p.dk = a.dk;

@@ -81,12 +81,8 @@ cudaError_t launch_sm90_forward(const Sm90FwdArgs& a, cudaStream_t stream) {
   if (a.tq <= 0 || a.batch <= 0) return cudaSuccess;
   if (a.tk <= 0) return cudaSuccess;  // every row sees no key: the caller's empty-rows pass
   fwd::Params p;
-  p.order = a.workspace;
-  p.tile_prefix = a.workspace + a.batch;
+  launch_schedule<fwd::kBM>(p, a.workspace, a.cu_q, a.tq, a.batch, a.hq, stream);
   p.counter = a.workspace + 2 * a.batch + 1;
-  schedule_kernel<fwd::kBM><<<1, kScheduleThreads, 0, stream>>>(
-      a.cu_q, a.tq, static_cast<int>(a.batch), static_cast<int>(a.hq), a.workspace,
-      a.workspace + a.batch, p.counter);
   p.out = a.out;
   p.lse = a.lse;
   set_shared_params(p, a);
