@@ -594,7 +594,7 @@ def test_compat_fixes_are_feature_detected(monkeypatch):
 
 
 def _argsort_permute(tokens, routing_map, probs=None, num_out_tokens=None, **_):
-    """megatron-core >= 0.17's unfused dropless permute: an argsort cut at num_out_tokens."""
+    """megatron-core 0.19's unfused dropless permute: an argsort cut at num_out_tokens."""
     flat = routing_map.T.contiguous().reshape(-1).int().argsort(descending=True, stable=True)[:num_out_tokens]
     return tokens.index_select(0, flat % tokens.shape[0]), None, flat
 
@@ -625,7 +625,7 @@ def _stand_in_dispatcher():
 @pytest.mark.parametrize("verl_patched", [False, True])
 def test_alltoall_replay_fix_is_feature_detected(monkeypatch, verl_patched):
     """fix_alltoall_replay_out_tokens on stand-ins: applied only where permute keeps num_out_tokens
-    rows whatever the map holds (megatron-core >= 0.17's argsort) and verl's own patch is absent;
+    rows whatever the map holds (megatron-core 0.19's argsort) and verl's own patch is absent;
     then, with replay on, a map whose padding rows name expert 0 twice permutes exactly its
     entries, and without replay (or with a capacity factor) Megatron's count stays."""
     from verl_ops.integrations import megatron_compat as mc

@@ -161,8 +161,8 @@ def fix_alltoall_replay_out_tokens() -> bool:
     """Router replay with duplicate experts in a route breaks the all-to-all dispatcher.
 
     What bites: ``MoEAlltoAllTokenDispatcher.preprocess`` sets ``num_out_tokens = tokens * topk``
-    for dropless training, and megatron-core's argsort-based ``permute`` (core_v0.17+) returns
-    exactly that many rows. A router replaying a route that names one expert twice sets one entry
+    for dropless training, and the argsort-based ``permute`` of later megatron-core (0.19.2; 0.16.1
+    selects the map's entries) returns exactly that many rows. A router replaying a route that names one expert twice sets one entry
     in the routing map for it, so the map holds fewer entries than ``tokens * topk`` and the expert
     split sizes (the map's column sums) no longer add up to the permuted rows::
 
