@@ -2,7 +2,8 @@
 # On a GPU machine: build, run the test suite (GPU cases included), compute-sanitizer memcheck on
 # the CUDA tests of each suite, then the benchmarks named in BENCH (default: none; e.g.
 # BENCH="thd mla router": benchmarks/*/bench_<name>.py). Logs and results go to ${OUT:-./gpu_out}.
-# FILES_PARALLEL=N runs the test files as N parallel pytest processes instead of one (see below).
+# FILES_PARALLEL=N runs the test files as N parallel pytest processes instead of one (see below);
+# SANITIZE_PARALLEL=N runs N memcheck suites at a time.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
@@ -55,16 +56,24 @@ elif [ "${TESTS:-1}" = 1 ]; then
   grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30; tail -2 "$OUT/tests.log"
   echo "tests: $(( $(date +%s) - t0 )) s"
 fi
-for suite in ${SANITIZE:-}; do
-  # suite is a test file stem; only its CUDA cases (compile tests excluded: memcheck slows the
+sanitize_one() {
+  # $1: a test file stem; only its CUDA cases (compile tests excluded: memcheck slows the
   # compiler, not our kernels).
+  local suite="$1" t0 rc
   t0=$(date +%s)
   (cd "$RUN_DIR" && timeout "${SANITIZER_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest "$REPO/tests/test_${suite}.py" -q -x -k "${SANITIZE_K:-cuda and not compile}" -p no:cacheprovider) \
     > "$OUT/sanitizer_${suite}.log" 2>&1; rc=$?
   echo "sanitizer ${suite}: rc=$rc $(grep -E 'ERROR SUMMARY|passed|failed' "$OUT/sanitizer_${suite}.log" | tail -2 | tr '\n' ' ') [$(( $(date +%s) - t0 )) s]"
-  [ $rc -eq 0 ] || status=1
-done
+  return $rc
+}
+if [ -n "${SANITIZE:-}" ]; then
+  # SANITIZE_PARALLEL=N: N suites at a time (memcheck is mostly host-bound; one GPU serves several).
+  export -f sanitize_one; export RUN_DIR REPO OUT
+  printf '%s\n' ${SANITIZE} | xargs -P "${SANITIZE_PARALLEL:-1}" -I{} bash -c 'sanitize_one "$1"' _ {} \
+    | tee "$OUT/sanitizer.txt"
+  grep -qv ": rc=0 " "$OUT/sanitizer.txt" && status=1
+fi
 for b in ${BENCH:-}; do
   t0=$(date +%s)
   script=$(ls benchmarks/*/bench_"${b}".py 2>/dev/null | head -1)  # e.g. thd -> benchmarks/thd/bench_thd.py
