@@ -61,7 +61,7 @@ def _accepts(ours, theirs) -> bool:
     return mine[: len(other)] == other
 
 
-def install(*, strict: bool = False, report: bool = False):
+def install(*, strict: bool = False, report: bool = False, owners=None):
     """Swap the drop-ins into verl.
 
     Replaces the THD functions (``preprocess_packed_seqs``, ``postprocess_packed_seqs``,
@@ -87,12 +87,21 @@ def install(*, strict: bool = False, report: bool = False):
     kept in :data:`last_report`). When verl (or megatron-core, which verl's module imports) is not
     importable, nothing is patched — or ``ImportError`` is raised if ``strict=True``. Undo with
     :func:`uninstall`.
+
+    ``owners`` (a collection of verl module names) limits the call to the drop-ins those modules
+    own, and imports nothing: an owner that is not imported is skipped. The verl plugin
+    (:mod:`verl_ops.integrations.plugin`) calls it as each owner finishes executing its code.
     """
     drop_ins = _all_drop_ins()
     result = {"patched": [], "missing": [], "incompatible": []}
     originals = {}
     for name, ours in drop_ins.items():
         owner = _OWNERS.get(name, _UTIL_MODULE)
+        if owners is not None:
+            if owner not in owners:
+                continue
+            if owner not in sys.modules:
+                continue
         try:
             mod = importlib.import_module(owner)
         except Exception:  # noqa: BLE001  (ImportError, or any error raised while verl's module imports)

@@ -257,6 +257,43 @@ def _cp_group_of(packed_seq_params, pg_collection):
     return group
 
 
+def _unsupported_config(config) -> str | None:
+    """What of ``config`` :class:`MLACoreAttention` cannot build with (``"config.<field>=<value>"``),
+    or None. The constructor refuses these; :func:`place_in_spec` keeps Megatron's attention for them."""
+    for name, ok in (
+        ("softmax_type", getattr(config, "softmax_type", "vanilla") in (None, "vanilla")),
+        ("window_size", getattr(config, "window_size", None) is None),
+        ("qk_clip", not getattr(config, "qk_clip", False)),
+    ):
+        if not ok:
+            return f"config.{name}={getattr(config, name)!r}"
+    return None
+
+
+def unsupported_reason(config, attn_mask_type=None) -> str | None:
+    """Why an MLA layer built from ``config`` (with the self-attention spec's ``attn_mask_type``,
+    where known) should keep its own core attention, or None where :class:`MLACoreAttention` runs
+    it as the spec's attention would. Besides what the constructor refuses: an experimental
+    attention variant (DSA: its core attention takes extra inputs), attention dropout (verl trains
+    MLA without it; the module refuses it while training), FP8 attention (TransformerEngine's FP8
+    dot-product attention), masks other than causal."""
+    reason = _unsupported_config(config)
+    if reason is not None:
+        return reason
+    variant = getattr(config, "experimental_attention_variant", None)
+    if variant is not None:
+        return f"config.experimental_attention_variant={variant!r}"
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0.0:
+        return f"config.attention_dropout={dropout!r}"
+    for name in ("fp8_dot_product_attention", "fp8_multi_head_attention"):
+        if getattr(config, name, False):
+            return f"config.{name}=True"
+    if attn_mask_type is not None and not _is_causal(attn_mask_type):
+        return f"attn_mask_type={getattr(attn_mask_type, 'name', attn_mask_type)}"
+    return None
+
+
 class MLACoreAttention(torch.nn.Module):
     """Causal MLA core attention for Megatron-Core layer specs, with the value head dim kept
     native (192 / 128: no pad of V, no trim of the output).
@@ -320,16 +357,12 @@ class MLACoreAttention(torch.nn.Module):
         self.cp_layout = cp_layout
         self.backend = backend
         self.current_max_attn_logits = None
-        for name, ok in (
-            ("softmax_type", getattr(config, "softmax_type", "vanilla") in (None, "vanilla")),
-            ("window_size", getattr(config, "window_size", None) is None),
-            ("qk_clip", not getattr(config, "qk_clip", False)),
-        ):
-            if not ok:
-                raise NotImplementedError(
-                    f"MLACoreAttention: config.{name}={getattr(config, name)!r} is not supported "
-                    "(vanilla softmax, no window, no QK-clip); keep Megatron's core attention for it"
-                )
+        reason = _unsupported_config(config)
+        if reason is not None:
+            raise NotImplementedError(
+                f"MLACoreAttention: {reason} is not supported "
+                "(vanilla softmax, no window, no QK-clip); keep Megatron's core attention for it"
+            )
 
     def _check(self, attn_mask_type):
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
@@ -470,6 +503,61 @@ def use_in_spec(spec, *, cp_layout: str = "zigzag", backend: str = "auto") -> in
 
     walk(spec)
     return count
+
+
+def place_in_spec(spec, config, *, cp_layout: str = "zigzag", backend: str = "auto") -> dict:
+    """Put :class:`MLACoreAttention` into the MLA core-attention slots of ``spec`` whose layer
+    :func:`unsupported_reason` accepts (with ``config``, and the ``attn_mask_type`` of the MLA
+    self-attention spec that holds the slot); other MLA layers keep their attention. Changes
+    ``spec`` in place. TransformerEngine's specs are included (``TEDotProductAttention`` is
+    replaced like Megatron's ``DotProductAttention``).
+
+    Returns ``{"placed": n, "kept": {reason: n}, "replaced": {class name: n}}``."""
+    import dataclasses
+
+    core = MLACoreAttention
+    if (cp_layout, backend) != ("zigzag", "auto"):
+        from megatron.core.transformer.spec_utils import ModuleSpec
+
+        core = ModuleSpec(module=MLACoreAttention, params={"cp_layout": cp_layout, "backend": backend})
+    report = {"placed": 0, "kept": {}, "replaced": {}}
+    seen = set()
+
+    def visit(submodules, mask_type):
+        current = submodules.core_attention
+        if current is core or current is MLACoreAttention or getattr(current, "module", None) is MLACoreAttention:
+            report["placed"] += 1
+            return
+        reason = unsupported_reason(config, mask_type)
+        if reason is not None:
+            report["kept"][reason] = report["kept"].get(reason, 0) + 1
+            return
+        name = getattr(getattr(current, "module", current), "__name__", type(current).__name__)
+        report["replaced"][name] = report["replaced"].get(name, 0) + 1
+        submodules.core_attention = core
+        report["placed"] += 1
+
+    def walk(obj, mask_type=None):
+        if obj is None or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+            return
+        if not dataclasses.is_dataclass(obj):
+            return
+        sub = getattr(obj, "submodules", None)
+        params = getattr(obj, "params", None)
+        if sub is not None and _is_mla_submodules(sub) and isinstance(params, dict):
+            mask_type = params.get("attn_mask_type", mask_type)
+        if _is_mla_submodules(obj):
+            visit(obj, mask_type)
+        for f in dataclasses.fields(obj):
+            walk(getattr(obj, f.name, None), mask_type if f.name == "submodules" else None)
+
+    walk(spec)
+    return report
 
 
 def install(spec=None, *, cp_layout: str = "zigzag", backend: str = "auto", fast_rope: bool = True):

@@ -1,0 +1,388 @@
+"""Scenarios of the verl plugin, each run in a fresh process by tests/test_verl_plugin.py
+(``python tests/verl_plugin_child.py SCENARIO``): the plugin acts on ``import verl``, once per
+process. Each prints one line ``RESULT <json>`` last."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+# Every plugin warning is recorded (the plugin warns once per message).
+warnings.simplefilter("always")
+_caught = []
+_showwarning = warnings.showwarning
+
+
+def _record(message, category, filename, lineno, file=None, line=None):
+    _caught.append((category.__name__, str(message)))
+    _showwarning(message, category, filename, lineno, file, line)
+
+
+warnings.showwarning = _record
+
+
+def plugin_warnings() -> list:
+    return [m for c, m in _caught if c == "VerlOpsPluginWarning"]
+
+
+def drop_in_state() -> dict:
+    """For each verl module owning drop-ins (and model_forward, which imports util's by name):
+    which of its functions are verl_ops' drop-ins."""
+    import importlib
+
+    from verl_ops.integrations.install import _OWNERS, _UTIL_MODULE, _all_drop_ins
+
+    out = {}
+    drop_ins = _all_drop_ins()
+    for name, ours in drop_ins.items():
+        owner = _OWNERS.get(name, _UTIL_MODULE)
+        mod = importlib.import_module(owner)
+        if hasattr(mod, name):
+            out[f"{owner}.{name}"] = getattr(mod, name) is ours
+    mf = importlib.import_module("verl.models.mcore.model_forward")
+    for name, ours in drop_ins.items():
+        if hasattr(mf, name):
+            out[f"verl.models.mcore.model_forward.{name}"] = getattr(mf, name) is ours
+    return out
+
+
+def gpt_model_wrapped() -> bool:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    return bool(getattr(GPTModel.__init__, "_verl_ops_plugin_init", False))
+
+
+def plugin_report() -> dict:
+    mod = sys.modules.get("verl_ops_plugin")
+    return mod.report() if mod is not None else {}
+
+
+def scenario_state() -> dict:
+    """``import verl`` and nothing else of ours: what is in place afterwards."""
+    import verl  # noqa: F401
+
+    loaded = "verl_ops_plugin" in sys.modules
+    return {
+        "plugin_loaded": loaded,
+        "drop_ins": drop_in_state(),
+        "gpt_model_wrapped": gpt_model_wrapped(),
+        "report": plugin_report(),
+        "warnings": plugin_warnings(),
+        "warnings_all": [m for _, m in _caught],
+    }
+
+
+def _tiny_hf_config(size):
+    from transformers import DeepseekV3Config
+
+    return DeepseekV3Config(
+        vocab_size=size.vocab, hidden_size=size.hidden, num_hidden_layers=2, num_attention_heads=size.heads,
+        num_key_value_heads=size.heads, max_position_embeddings=size.max_seq, rope_theta=10000.0,
+        architectures=["DeepseekV3ForCausalLM"],
+    )
+
+
+def _local_specs(*modules):
+    """The builders ask for TransformerEngine specs; without TransformerEngine megatron-core cannot
+    make them (NameError: TENorm), so the builders' spec functions make the local ones here."""
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+
+    def local(fn):
+        def call(*args, **kwargs):
+            kwargs["use_transformer_engine"] = False
+            return fn(*args, **kwargs)
+
+        return call
+
+    for mod in modules:
+        for name in ("get_gpt_decoder_block_spec", "get_gpt_mtp_block_spec"):
+            if hasattr(mod, name):
+                setattr(mod, name, local(getattr(specs, name)))
+
+
+def _mla_layers(model) -> dict:
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    out = {}
+    for m in model.modules():
+        if isinstance(m, MultiLatentAttention):
+            name = type(m.core_attention).__name__
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+def _step(model, seed=3):
+    import random
+
+    import megatron_model_lib as lib
+
+    size = lib.SIZES["tiny"]
+    model.zero_grad(set_to_none=True)
+    batch = lib.make_batch(lib.random_lengths(random.Random(seed), hi=60), size.vocab, seed)
+    res = lib.forward_backward(model, batch, lib.verl_ops_pack())
+    return res.loss_per_token, lib.grads(model)
+
+
+def _same_step(model, reference) -> dict:
+    import torch
+
+    import megatron_model_lib as lib
+
+    lib.copy_weights(model, reference)
+    loss_a, grads_a = _step(model)
+    loss_b, grads_b = _step(reference)
+    grads_equal = all(
+        (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+        for a, b in ((grads_a[k], grads_b.get(k)) for k in grads_a)
+    )
+    return {"loss_equal": bool(torch.equal(loss_a, loss_b)), "grads_equal": grads_equal, "tokens": int(loss_a.numel())}
+
+
+def scenario_builders() -> dict:
+    """verl's model_initializer (DeepseekV3Model) and vanilla mbridge build real models after a
+    bare ``import verl``: every MLA layer (MTP included) runs MLACoreAttention, and one training
+    step equals that of the model built with ``megatron_mla.install(spec)`` explicitly."""
+    import verl  # noqa: F401
+
+    import megatron_model_lib as lib
+
+    lib.init_distributed(1)
+    size = lib.SIZES["tiny"]
+    out = {"wrapped": gpt_model_wrapped()}
+    reference = lib.build_model(lib.make_config("tiny"), "verl_ops")
+    out["reference_layers"] = _mla_layers(reference)
+
+    from verl.models.mcore import model_initializer
+
+    _local_specs(model_initializer)
+    config = lib.make_config("tiny")
+    lib.eager_megatron_fusions()
+    with lib.megatron_device("cpu"):
+        model = model_initializer.DeepseekV3Model(config, _tiny_hf_config(size)).initialize(freeze_moe_router=False)
+    out["model_initializer"] = {"layers": _mla_layers(model), **_same_step(model, reference)}
+
+    try:
+        import mbridge.core.llm_bridge as mb_llm
+        import mbridge.models.deepseek_v3 as mb_dsv3
+    except ImportError as e:
+        out["mbridge"] = {"skipped": f"{type(e).__name__}: {e}"}
+    else:
+        from megatron.core.models.gpt.gpt_model import GPTModel
+
+        _local_specs(mb_llm, mb_dsv3)
+        seen = {}
+        config2 = lib.make_config("tiny")
+
+        def provider_model():
+            # mbridge's DeepSeek-V3 provider, with the test model's config in place of the one
+            # mbridge converts from an HF checkpoint's config (so that the weights map one to one).
+            bridge = mb_dsv3.DeepseekV3Bridge.__new__(mb_dsv3.DeepseekV3Bridge)
+            bridge.config = config2
+            bridge.hf_config = _tiny_hf_config(size)
+            bridge.has_vp_stage = False
+            bridge._get_gptmodel_args = lambda: {
+                "vocab_size": size.vocab, "max_sequence_length": size.max_seq,
+                "position_embedding_type": "rope", "rotary_base": 10000,
+            }
+            return bridge._model_provider([])(True, True)
+
+        with lib.megatron_device("cpu"):
+            model2 = provider_model()
+        seen["layers"] = _mla_layers(model2)
+        seen.update(_same_step(model2, reference))
+        seen["is_gpt_model"] = isinstance(model2, GPTModel)
+        out["mbridge"] = seen
+    out["report"] = plugin_report()
+    out["warnings"] = plugin_warnings()
+    return out
+
+
+def scenario_verl_value_pad() -> dict:
+    """verl's own MLA patch (megatron-core < 0.16.2: ``MultiLatentAttention.forward`` zero-pads V),
+    applied after the model is built as verl's bridge path does: the MLACoreAttention layers still
+    get the native V, and the step is unchanged."""
+    import verl  # noqa: F401
+
+    import megatron_model_lib as lib
+    from verl_ops.integrations.megatron_mla import MLACoreAttention
+
+    lib.init_distributed(1)
+    config = lib.make_config("tiny")
+    model = lib.build_model(config, "verl_ops")
+    reference = lib.build_model(lib.make_config("tiny"), "verl_ops")
+    before = _same_step(model, reference)
+
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    from verl.models.mcore.patch import apply_patch
+
+    apply_patch()
+    patched = getattr(MultiLatentAttention.forward, "__module__", "")
+    v_dims = []
+    original = MLACoreAttention.forward
+
+    def spy(self, query, key, value, *args, **kwargs):
+        v_dims.append(int(value.shape[-1]))
+        return original(self, query, key, value, *args, **kwargs)
+
+    MLACoreAttention.forward = spy
+    try:
+        after = _same_step(model, reference)
+        dims_with_plugin = sorted(set(v_dims))
+        # The control: the layers' own forward (the class's: verl's patch) pads V.
+        v_dims.clear()
+        for m in model.modules():
+            if isinstance(m, MultiLatentAttention) and "forward" in vars(m):
+                del m.forward
+        without = _same_step(model, reference)
+        dims_without = sorted(set(v_dims))
+    finally:
+        MLACoreAttention.forward = original
+    return {
+        "class_forward": patched,
+        "before": before,
+        "after": after,
+        "without_plugin_dispatch": without,
+        "v_dims": dims_with_plugin,
+        "v_dims_verl_forward": dims_without,
+        "qk_head_dim": config.qk_head_dim + config.qk_pos_emb_head_dim,
+        "v_head_dim": config.v_head_dim,
+        "warnings": plugin_warnings(),
+    }
+
+
+def _core_attention_slots(spec) -> list:
+    """The core-attention entry of every MLA self-attention submodules object reachable from
+    ``spec`` (found by their fields, so that this works without megatron-core's MLA module)."""
+    import dataclasses
+
+    out, seen = [], set()
+
+    def walk(obj):
+        if obj is None or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type)):
+            return
+        seen.add(id(obj))
+        if isinstance(obj, (list, tuple)):
+            for item in obj:
+                walk(item)
+            return
+        if not dataclasses.is_dataclass(obj):
+            return
+        if hasattr(obj, "core_attention") and hasattr(obj, "linear_kv_down_proj"):
+            out.append(obj.core_attention)
+        for f in dataclasses.fields(obj):
+            walk(getattr(obj, f.name, None))
+
+    walk(spec)
+    return out
+
+
+def _recorded_build(config, before_build=None):
+    """GPTModel built by the plugin's wrapper around a stand-in for megatron-core's own
+    ``__init__`` that keeps its arguments (no modules are built): the specs as the plugin hands them."""
+    import torch
+
+    import megatron_model_lib as lib
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    import inspect
+
+    seen = {}
+    real = GPTModel.__init__.__wrapped__
+    signature = inspect.signature(real)
+
+    def keep(self, *args, **kwargs):
+        torch.nn.Module.__init__(self)
+        seen.update(signature.bind(self, *args, **kwargs).arguments)
+
+    block = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
+    mtp = get_gpt_mtp_block_spec(config, block, use_transformer_engine=False)
+    if before_build is not None:
+        before_build()
+    GPTModel.__init__.__wrapped__ = keep
+    try:
+        GPTModel(config=config, transformer_layer_spec=block, vocab_size=lib.SIZES["tiny"].vocab,
+                 max_sequence_length=64, mtp_block_spec=mtp)
+    finally:
+        GPTModel.__init__.__wrapped__ = real
+    slots = _core_attention_slots(seen["transformer_layer_spec"]) + _core_attention_slots(seen["mtp_block_spec"])
+    given = _core_attention_slots(block)
+    return {
+        "slots": sorted({getattr(s, "__name__", type(s).__name__) for s in slots}),
+        "callers_spec_unchanged": all(s is not None and getattr(s, "__name__", "") != "MLACoreAttention" for s in given),
+    }
+
+
+def scenario_unsupported() -> dict:
+    """A configuration the module does not run (attention dropout): the layers keep their core
+    attention and the report says why; a supported one gets the module."""
+    import verl  # noqa: F401
+
+    import megatron_model_lib as lib
+
+    lib.init_distributed(1)
+    ok = _recorded_build(lib.make_config("tiny"))
+    config = lib.make_config("tiny")
+    config.attention_dropout = 0.1
+    kept = _recorded_build(config)
+    return {"supported": ok, "dropout": kept, "report": plugin_report(), "warnings": plugin_warnings()}
+
+
+def scenario_megatron_version() -> dict:
+    """A megatron-core release outside the checked range: the MLA part is left alone, with a warning."""
+    import megatron.core
+
+    megatron.core.__version__ = os.environ.get("FAKE_MEGATRON_VERSION", "0.12.0")
+    import verl  # noqa: F401
+
+    return {"gpt_model_wrapped": gpt_model_wrapped(), "drop_ins": drop_in_state(),
+            "report": plugin_report(), "warnings": plugin_warnings()}
+
+
+def scenario_no_mla() -> dict:
+    """A megatron-core without MLA (its multi_latent_attention module cannot be imported): models
+    build with their own attention, with a warning."""
+    import importlib
+
+    import verl  # noqa: F401
+
+    import megatron_model_lib as lib
+
+    lib.init_distributed(1)
+    config = lib.make_config("tiny")
+    importlib.import_module("megatron.core.models.gpt.gpt_model")
+
+    def remove_mla():
+        import megatron.core.transformer as transformer
+
+        sys.modules["megatron.core.transformer.multi_latent_attention"] = None
+        if hasattr(transformer, "multi_latent_attention"):
+            delattr(transformer, "multi_latent_attention")
+
+    try:
+        res = _recorded_build(config, remove_mla)
+    except Exception as e:  # noqa: BLE001
+        res = {"error": f"{type(e).__name__}: {e}"}
+    return {"build": res, "warnings": plugin_warnings()}
+
+
+def scenario_broken_ops() -> dict:
+    """verl_ops' compiled library cannot load (a wheel for another CUDA, say): ``import verl`` and
+    verl's modules still import, with verl's own functions and a warning."""
+    sys.modules["verl_ops._C"] = None
+    import verl  # noqa: F401
+    import verl.models.mcore.model_forward as mf
+
+    return {"model_forward_module": mf.preprocess_packed_seqs.__module__, "warnings": plugin_warnings()}
+
+
+if __name__ == "__main__":
+    result = globals()[f"scenario_{sys.argv[1]}"]()
+    sys.stdout.flush()
+    print("RESULT " + json.dumps(result, default=str))
