@@ -265,25 +265,33 @@ _AUTO_AGREE_LARGE = [
 ]
 
 
+_NEEDS_CUDA = pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+
+
 @pytest.mark.parametrize(
-    "device, case",
-    [("cpu", c) for c in _AUTO_AGREE_SMALL]
-    + [pytest.param("cuda", c, marks=pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA"))
-       for c in _AUTO_AGREE_SMALL + _AUTO_AGREE_LARGE],
+    "device, dtype, case, backend",
+    [("cpu", torch.float32, c, 0) for c in _AUTO_AGREE_SMALL]
+    + [pytest.param("cuda", torch.bfloat16, c, 0, marks=_NEEDS_CUDA)
+       for c in _AUTO_AGREE_SMALL + _AUTO_AGREE_LARGE]
+    # float32 / float64 on CUDA: the reference kernels under every backend code (contiguous
+    # outputs), where the same shapes in bf16 take padded (a view) or native.
+    + [pytest.param("cuda", dt, c, b, marks=_NEEDS_CUDA)
+       for dt in (torch.float32, torch.float64) for c in _AUTO_AGREE_SMALL[:4] for b in (0, 1, 2, 3)]
+    + [pytest.param("cuda", torch.float32, c, 0, marks=_NEEDS_CUDA) for c in _AUTO_AGREE_LARGE[:2]],
 )
-def test_auto_rule_python_copy_agrees_with_the_op(device, case):
+def test_auto_rule_python_copy_agrees_with_the_op(device, dtype, case, backend):
     """backend="auto" is decided twice: by the op (resolve_mla_backend in csrc/ops/mla_ops.cpp) and
-    by its one Python copy (verl_ops._mla._mla_backend / _auto_flags), which the fake kernels use
-    to give the output the layout the op will give it. The two agree: the real op's output and
-    gradient layouts equal the fake kernels' for the same inputs on this device."""
+    by its one Python copy (verl_ops._mla._mla_backend / _backend_flags), which the fake kernels
+    use to give the output the layout the op will give it. The two agree: the real op's output and
+    gradient layouts equal the fake kernels' for the same inputs on this device and dtype (for
+    float32 / float64 on CUDA, under every backend code)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     lengths, kv_lengths, heads, (dqk, dv), causal = case
-    dtype = torch.float32 if device == "cpu" else torch.bfloat16
     c = make_case(lengths, hq=heads, hk=heads, dqk=dqk, dv=dv, dtype=dtype, device=device, seed=3,
                   kv_lengths=kv_lengths)
     cu_kv = c["cu_q"] if kv_lengths is None else c["cu_kv"]
-    args = (c["cu_q"], cu_kv, c["max_q"], c["max_kv"], causal, None, 0)
+    args = (c["cu_q"], cu_kv, c["max_q"], c["max_kv"], causal, None, backend)
     out, lse = OPS.mla_forward_padded(c["q"], c["k"], c["v"], *args)
     grads = OPS.mla_backward_padded(torch.ones_like(out), c["q"], c["k"], c["v"], out, lse, *args)
     with FakeTensorMode() as mode:
@@ -292,6 +300,7 @@ def test_auto_rule_python_copy_agrees_with_the_op(device, case):
         fout, flse = OPS.mla_forward_padded(fq, fk, fv, *fargs)
         fgrads = OPS.mla_backward_padded(torch.ones_like(fout), fq, fk, fv, fout, flse, *fargs)
     assert (fout.shape, fout.stride()) == (out.shape, out.stride())
+    assert (flse.shape, flse.dtype) == (lse.shape, lse.dtype)
     assert [(g.shape, g.stride()) for g in fgrads] == [(g.shape, g.stride()) for g in grads]
 
 
@@ -595,12 +604,13 @@ def test_cuda_auto_uniform_where_measured():
 
 @gpu
 @pytest.mark.gpu
-def test_cuda_fake_kernel_rejects_float32():
-    """On CUDA the op takes float16 / bfloat16 only; the fake kernel says so at trace time too."""
+def test_cuda_fake_kernel_rejects_float8():
+    """On CUDA the op takes float16, bfloat16, float32 and float64 (the last two on its reference
+    kernels, tests/test_mla_fp32.py); the fake kernel rejects the others at trace time too."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    c = make_case([3, 4], dtype=torch.float32, device="cuda", seed=0)
-    pattern = "mla_forward_padded: q must be float16 or bfloat16 on CUDA"
+    c = make_case([3, 4], dtype=torch.float8_e4m3fn, device="cuda", seed=0)
+    pattern = "mla_forward_padded: q must be float16, bfloat16, float32 or float64 on CUDA"
     with pytest.raises(RuntimeError, match=pattern):
         OPS.mla_forward_padded(c["q"], c["k"], c["v"], c["cu_q"], c["cu_kv"], 4, 4, True, None, 0)
     with FakeTensorMode() as mode:

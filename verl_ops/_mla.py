@@ -85,7 +85,9 @@ def _shares_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
+def _check_qkv_kinds(op, q, k, v):
+    """The op's checks of q, k and v that read no shape but the dims: 3-D floating point tensors
+    of one dtype on one device, of a dtype the device's kernels take."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         check(t.dim() == 3, op, f"{name} must be 3-D [T, H, D], got {t.dim()} dims")
         check(t.dtype.is_floating_point, op, f"{name} must be floating point, got {t.dtype}")
@@ -95,12 +97,42 @@ def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
            f"q, k and v must be on one device, got q on {q.device}, k on {k.device}, v on {v.device}")
     # The dtypes the op's kernels take on the device (prepare_mla in csrc/mla/mla_ops.cpp): traced
     # code fails here, as the op would at run time.
-    if q.device.type == "cuda":
-        check(q.dtype in (torch.float16, torch.bfloat16), op,
-               f"q must be float16 or bfloat16 on CUDA, got {q.dtype}")
-    elif q.device.type == "cpu":
+    if q.device.type in ("cuda", "cpu"):
+        where = "CUDA" if q.device.type == "cuda" else "the CPU"
         check(q.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64), op,
-               f"q must be float16, bfloat16, float32 or float64 on the CPU, got {q.dtype}")
+               f"q must be float16, bfloat16, float32 or float64 on {where}, got {q.dtype}")
+
+
+def _check_qkv_shapes(op, q, k, v):
+    """The op's checks of the shapes of q, k and v against each other (after _check_qkv_kinds)."""
+    dqk, dv = q.shape[2], v.shape[2]
+    tk, hq, hk = k.shape[0], q.shape[1], k.shape[1]
+    torch._check(k.shape[2] == dqk, lambda: f"{op}: k must have q's head dim {dqk}, got {k.shape[2]}")
+    torch._check(dv <= dqk, lambda: f"{op}: v's head dim (Dv={dv}) must be <= the q/k head dim (Dqk={dqk})")
+    torch._check(dv >= 1, lambda: f"{op}: v's head dim must be >= 1")
+    torch._check(v.shape[0] == tk, lambda: f"{op}: k and v must have the same number of rows")
+    torch._check(v.shape[1] == hk, lambda: f"{op}: k and v must have the same number of heads")
+    torch._check(hk >= 1, lambda: f"{op}: k must have at least one head")
+    torch._check(hq % hk == 0, lambda: f"{op}: the number of q heads must be a multiple of the number of k/v heads")
+
+
+def _qkv_error(op, q, k, v, softmax_scale=None) -> str:
+    """What the op would reject in q, k, v and softmax_scale alone (no offsets, no data read), as
+    its message, or ''. mla_cp_attention checks it on every rank before its first collective, so
+    that a rank whose attention call would fail raises on every rank instead of leaving the
+    others waiting in a collective."""
+    try:
+        _check_qkv_kinds(op, q, k, v)
+        _check_qkv_shapes(op, q, k, v)
+        if softmax_scale is not None:
+            check(math.isfinite(softmax_scale), op, f"softmax_scale must be finite, got {softmax_scale}")
+    except RuntimeError as e:
+        return str(e)
+    return ""
+
+
+def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
+    _check_qkv_kinds(op, q, k, v)
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
         check(cu.dtype == torch.int32, op, f"{name} must be int32, got {cu.dtype}")
         check(cu.dim() == 1, op, f"{name} must be 1-D [B + 1], got {cu.dim()} dims")
@@ -110,13 +142,7 @@ def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
     dv = v.shape[2]
     torch._check(cu_q.shape[0] >= 1, lambda: f"{op}: cu_seqlens_q must have B + 1 >= 1 entries")
     torch._check(cu_kv.shape[0] == cu_q.shape[0], lambda: f"{op}: cu_seqlens_kv must have as many entries as cu_seqlens_q")
-    torch._check(k.shape[2] == dqk, lambda: f"{op}: k must have q's head dim {dqk}, got {k.shape[2]}")
-    torch._check(dv <= dqk, lambda: f"{op}: v's head dim (Dv={dv}) must be <= the q/k head dim (Dqk={dqk})")
-    torch._check(dv >= 1, lambda: f"{op}: v's head dim must be >= 1")
-    torch._check(v.shape[0] == tk, lambda: f"{op}: k and v must have the same number of rows")
-    torch._check(v.shape[1] == hk, lambda: f"{op}: k and v must have the same number of heads")
-    torch._check(hk >= 1, lambda: f"{op}: k must have at least one head")
-    torch._check(hq % hk == 0, lambda: f"{op}: the number of q heads must be a multiple of the number of k/v heads")
+    _check_qkv_shapes(op, q, k, v)
     for name, val in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
         msg = lambda name=name, val=val: f"{op}: {name} must be in [0, {INT32_MAX}], got {val}"  # noqa: E731
         torch._check(val >= 0, msg)
@@ -126,11 +152,27 @@ def _mla_sizes(op, q, k, v, cu_q, cu_kv, max_q, max_kv, softmax_scale):
     return tq, tk, hq, hk, dqk, dv, cu_q.shape[0] - 1
 
 
+def _reference_path(q: torch.Tensor) -> bool:
+    """Mirrors prepare_mla's reference flag: float32 / float64 on CUDA run the CUDA reference
+    kernels under every backend code (the other CUDA backends take float16 / bfloat16 only)."""
+    return q.device.type == "cuda" and q.dtype in (torch.float32, torch.float64)
+
+
+def _backend_flags(q: torch.Tensor) -> tuple:
+    """(varlen_auto, varlen_uniform, reference) of resolve_mla_backend for q. The reference path
+    needs no device query (a fake float32 CUDA model traces on a machine without a GPU)."""
+    if _reference_path(q):
+        return False, False, True
+    return (*_auto_flags(q.device), False)
+
+
 def _mla_backend(op, backend, sizes, max_q, max_kv, causal, same_offsets, varlen_auto,
-                 varlen_uniform=False) -> str:
+                 varlen_uniform=False, reference=False) -> str:
     """Mirrors resolve_mla_backend in csrc/mla/mla_ops.cpp (shapes, and varlen_auto /
-    varlen_uniform for auto)."""
+    varlen_uniform for auto; reference: _reference_path(q), ahead of every other rule)."""
     check(backend in (0, 1, 2, 3), op, f"backend must be 0 (auto), 1 (padded), 2 (native) or 3 (varlen), got {backend}")
+    if reference:
+        return "reference"
     name = BACKENDS[backend]
     if name in ("padded", "varlen"):
         return name
@@ -177,7 +219,7 @@ def _mla_forward_fake(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_se
     op = "mla_forward_padded"
     s = _mla_sizes(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale)
     b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
-                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), *_auto_flags(q.device))
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), *_backend_flags(q))
     tq, tk, hq, hk, dqk, dv, _ = s
     return _mla_rows(q, b, tq, hq, dv, dqk), q.new_empty((hq, tq), dtype=_lse_dtype(q))
 
@@ -199,7 +241,7 @@ def _mla_backward_fake(grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seq
     torch._check(softmax_lse.shape[0] == hq and softmax_lse.shape[1] == tq,
                  lambda: f"{op}: softmax_lse must be [Hq, Tq] = [{hq}, {tq}]")
     b = _mla_backend(op, backend, s, max_seqlen_q, max_seqlen_kv, causal,
-                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), *_auto_flags(q.device))
+                     _shares_offsets(cu_seqlens_q, cu_seqlens_kv), *_backend_flags(q))
     return q.new_empty((tq, hq, dqk)), k.new_empty((tk, hk, dqk)), _mla_rows(v, b, tk, hk, dv, dqk)
 
 
@@ -280,7 +322,10 @@ def mla_forward_padded(
     Args:
         q: ``[Tq, Hq, Dqk]``; k: ``[Tk, Hk, Dqk]``; v: ``[Tk, Hk, Dv]`` with ``Dv <= Dqk``;
             ``Hq`` a multiple of ``Hk`` (grouped-query attention: query head ``h`` reads kv head
-            ``h // (Hq // Hk)``). float16 / bfloat16 on CUDA; also float32 / float64 on the CPU.
+            ``h // (Hq // Hk)``). float16, bfloat16, float32 or float64, on the CPU and on CUDA.
+            On CUDA float32 / float64 run verl_ops' CUDA reference kernels whatever ``backend``
+            says (the other backends take float16 / bfloat16 only; slower, exact: for debugging
+            float32 models), with a contiguous output.
         cu_seqlens_q, cu_seqlens_kv: int32 ``[B + 1]`` row offsets of the sequences.
         max_seqlen_q, max_seqlen_kv: the longest sequence (must be >= every length).
         causal: causal mask; for sequences whose query and key lengths differ the diagonal is
@@ -344,6 +389,8 @@ def mla_forward_padded(
             _validate_offsets(op, "cu_seqlens_kv", cu_seqlens_kv, k.shape[0], int(max_seqlen_kv), "max_seqlen_kv")
     if backend == "auto" and _auto_takes_fa4(q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q):
         backend = "fa4"
+    if backend == "fa4" and isinstance(q, torch.Tensor) and _reference_path(q):
+        backend = "auto"  # FlashAttention-4 takes float16 / bfloat16: the op's reference kernels run
     if backend == "fa4":
         return _fa4_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal,
                             softmax_scale)

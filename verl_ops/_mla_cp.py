@@ -18,21 +18,28 @@ Why all-gather and not a ring: docs/megatron.md#context-parallel (one collective
 one fused attention call per rank; the ring needs ``cp`` calls and log-sum-exp merges per layer;
 benchmarks/megatron/bench_mla_cp.py measures both).
 
-Collectives: every rank of the group issues the same ones (a 4-byte status all-reduce, then the
+Collectives: every rank of the group issues the same ones (a small status all-reduce, then the
 all-gathers or the ring's exchanges, forward and backward) whatever its data or what it remembers,
-an empty shard included; the status exchange makes every rank raise when one rank's input is bad,
-instead of some ranks waiting in the all-gather. The plan (index and offsets) is built once per
+an empty shard included. The status exchange makes every rank raise when one rank's arguments are
+bad (any argument mla_cp_attention or the attention op would reject on that rank: names, dtypes
+the device's kernels do not take, shapes, offsets, the softmax scale) or when the ranks disagree
+on what their collectives must share (dtype, kv heads, head dims, rows), instead of some ranks
+waiting in a collective the others never join. The plan (index and offsets) is built once per
 offsets tensor, with one host read of the offsets.
+
+dtypes: whatever :func:`mla_forward_padded` takes on the device, float32 on CUDA included (its
+CUDA reference kernels); the ring merges partial results in float32 (float64 for float64).
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.distributed as dist
 
-from ._mla import BACKENDS, mla_forward_padded
+from ._mla import BACKENDS, _qkv_error, mla_forward_padded
 
 _ops = torch.ops.verl_ops
 
@@ -346,6 +353,9 @@ def _positions_in_segments(lengths: torch.Tensor) -> torch.Tensor:
 
 def _tensor_error(q, k, v, rows: int | None = None, shard: str = "") -> str:
     """The first problem with q / k / v (and, given, their row count against the shard's), or ''."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.is_nested:
+            return f"{OP}: {name} must be a plain tensor, got {type(t).__name__}"
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
         return f"{OP}: q, k, v must be [t, n, d], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
     if not (q.shape[0] == k.shape[0] == v.shape[0]):
@@ -398,33 +408,105 @@ def _host_offsets(cu_seqlens_padded):
     return cu_seqlens_padded.detach().to("cpu", torch.int64)
 
 
-def _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, group) -> CpPlan:
-    key = (cp, rank, cp_layout, str(q.device), cu_seqlens_padded._version)
-    cached = getattr(cu_seqlens_padded, _PLAN_ATTR, None)
-    fresh = cached is None or cached.key != key
-    cu = None
-    if fresh:
-        error = _tensor_error(q, k, v)
-        if not error:
+# What the ranks' collectives must agree on (the all-gathered / passed K and V blocks), after the
+# status flag of _exchange_status.
+_SHARED = ("dtype", "kv heads", "Dqk", "Dv", "rows")
+_DTYPE_CODES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _shared_values(q, k, v) -> list:
+    dtype = _DTYPE_CODES.index(q.dtype) if q.dtype in _DTYPE_CODES else len(_DTYPE_CODES)
+    return [dtype, k.shape[1], q.shape[2], v.shape[2], q.shape[0]]
+
+
+def _status_device(group, q) -> torch.device:
+    """Where the status tensor lives: the CPU for gloo, else this rank's GPU (q's, or the current
+    one when q is not a CUDA tensor: a bad argument must not make the exchange itself fail)."""
+    if dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    if isinstance(q, torch.Tensor) and q.is_cuda:
+        return q.device
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def _exchange_status(error: str, q, k, v, group) -> None:
+    """One all-reduce (MAX) of [bad, shared values, -shared values] on every call, whatever a rank
+    remembers from earlier calls: every rank learns whether any rank's arguments are bad and whether
+    the ranks agree on _SHARED, so all raise together rather than some waiting in a collective."""
+    values = [0] * len(_SHARED) if error else _shared_values(q, k, v)
+    row = [1 if error else 0] + values + [-x for x in values]
+    status = torch.tensor(row, dtype=torch.int64, device=_status_device(group, q))
+    dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
+    got = status.tolist()
+    if error:
+        raise ValueError(error)
+    if got[0]:
+        raise ValueError(
+            f"{OP}: another rank of the CP group got bad arguments (see its error); this rank's are fine"
+        )
+    n = len(_SHARED)
+    high, low = got[1 : 1 + n], [-x for x in got[1 + n :]]
+    differ = [name for name, a, b in zip(_SHARED, high, low) if a != b]
+    if differ:
+        raise ValueError(
+            f"{OP}: the ranks of the CP group disagree on {', '.join(differ)} of q / k / v (every rank "
+            f"must pass the same dtype, kv heads and head dims, and the rows of one shard); this rank "
+            f"has {dict(zip(_SHARED, values))}"
+        )
+
+
+def _argument_error(cp_layout, backend, cp_comm_type, softmax_scale) -> str:
+    """The first problem with the non-tensor arguments, or ''."""
+    if cp_layout not in CP_LAYOUTS:
+        return f"{OP}: cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}"
+    if backend not in BACKENDS:
+        return f"{OP}: backend must be one of {BACKENDS}, got {backend!r}"
+    if cp_comm_type not in CP_COMM_TYPES:
+        return f"{OP}: cp_comm_type must be one of {CP_COMM_TYPES}, got {cp_comm_type!r}"
+    if cp_comm_type == "p2p" and cp_layout != "zigzag":
+        return f"{OP}: cp_comm_type 'p2p' (the ring) takes the zigzag layout only, got {cp_layout!r}"
+    if softmax_scale is not None and (
+        isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real)
+        or not math.isfinite(softmax_scale)
+    ):
+        return f"{OP}: softmax_scale must be a finite float or None, got {softmax_scale!r}"
+    return ""
+
+
+def _device_error(q, k, v, group) -> str:
+    """q / k / v on a device the group's backend does not communicate (NCCL: CUDA only), or ''."""
+    backend = dist.get_backend(group)
+    if backend == "nccl" and not (q.is_cuda and k.is_cuda and v.is_cuda):
+        return (
+            f"{OP}: the CP group's backend is nccl, which needs CUDA tensors; got q on {q.device}, "
+            f"k on {k.device}, v on {v.device}"
+        )
+    return ""
+
+
+def _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, group, softmax_scale=None, error="") -> CpPlan:
+    """This call's plan (cached on the offsets tensor), after the status exchange. `error`: a
+    problem the caller found already; it is raised on this rank and reported to the others."""
+    cached, fresh, cu = None, True, None
+    if not error and not isinstance(cu_seqlens_padded, torch.Tensor):
+        error = f"{OP}: cu_seqlens_padded must be a tensor, got {type(cu_seqlens_padded).__name__}"
+    error = error or _tensor_error(q, k, v)
+    # The op's own checks of q / k / v (dtypes its kernels take on the device, shapes) and of the
+    # scale: a rank whose attention call would fail says so here, before any collective.
+    error = error or _qkv_error(OP, q, k, v, softmax_scale) or _device_error(q, k, v, group)
+    if not error:
+        key = (cp, rank, cp_layout, str(q.device), cu_seqlens_padded._version)
+        cached = getattr(cu_seqlens_padded, _PLAN_ATTR, None)
+        fresh = cached is None or cached.key != key
+        if fresh:
             cu = _host_offsets(cu_seqlens_padded)  # the one host read of a new plan
             total = int(cu[-1]) if cu is not None else 0
             error = _offsets_error(cu_seqlens_padded, cu, cp, cp_layout) or _tensor_error(
                 q, k, v, total // cp, f" (total {total} over {cp} CP ranks)"
             )
-    else:
-        error = _tensor_error(q, k, v, cached.local_rows)
-    # Status exchange on every call, whatever a rank remembers from earlier calls: every rank
-    # learns whether any rank's arguments are bad, so all raise together rather than some
-    # waiting in the all-gather. (One 4-byte all-reduce per call.)
-    dev = q.device if dist.get_backend(group) != "gloo" else torch.device("cpu")
-    status = torch.tensor([1 if error else 0], dtype=torch.int32, device=dev)
-    dist.all_reduce(status, op=dist.ReduceOp.MAX, group=group)
-    if error:
-        raise ValueError(error)
-    if int(status.item()):
-        raise ValueError(
-            f"{OP}: another rank of the CP group got bad arguments (see its error); this rank's are fine"
-        )
+        else:
+            error = _tensor_error(q, k, v, cached.local_rows)
+    _exchange_status(error, q, k, v, group)
     if not fresh:
         return cached
     plan = CpPlan(cu_seqlens_padded, cu, cp, rank, cp_layout, q.device)
@@ -461,7 +543,8 @@ def mla_cp_attention(
         cp_layout: ``"zigzag"`` or ``"contiguous"``.
         softmax_scale: default ``1 / sqrt(Dqk)``.
         backend: :func:`mla_forward_padded`'s backend (``"auto"``, ``"padded"``, ``"native"``,
-            ``"varlen"``).
+            ``"varlen"``; float32 / float64 on CUDA run its CUDA reference kernels under every
+            name).
         cp_comm_type: ``"all_gather"`` (K / V all-gathered, one attention call; both layouts) or
             ``"p2p"`` (a ring: K / V blocks passed round the group under the attention of the
             previous block, log-sum-exp merges; zigzag only). Megatron's names; which is faster
@@ -471,35 +554,32 @@ def mla_cp_attention(
         ``[t_local, n, Dv]``, equal to the rows of this rank in causal attention over the whole
         padded sequences; differentiable in q, k and v.
     """
-    if cp_layout not in CP_LAYOUTS:
-        raise ValueError(f"{OP}: cp_layout must be one of {CP_LAYOUTS}, got {cp_layout!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"{OP}: backend must be one of {BACKENDS}, got {backend!r}")
-    if cp_comm_type not in CP_COMM_TYPES:
-        raise ValueError(f"{OP}: cp_comm_type must be one of {CP_COMM_TYPES}, got {cp_comm_type!r}")
-    if cp_comm_type == "p2p" and cp_layout != "zigzag":
-        raise ValueError(
-            f"{OP}: cp_comm_type 'p2p' (the ring) takes the zigzag layout only, got {cp_layout!r}"
-        )
+    error = _argument_error(cp_layout, backend, cp_comm_type, softmax_scale)
+    cp, rank = group_size_rank(cp_group)
+    if cp > 1:
+        # Every check, this rank's argument errors included, goes through the status exchange.
+        plan = _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, cp_group, softmax_scale, error)
+        if softmax_scale is None:
+            softmax_scale = 1.0 / math.sqrt(q.shape[-1])
+        impl = _RingAttention if cp_comm_type == "p2p" else _AllGatherAttention
+        return impl.apply(q, k, v, plan, cp_group, cp, float(softmax_scale), BACKENDS.index(backend))
+    if error:
+        raise ValueError(error)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.shape[-1])
-    cp, rank = group_size_rank(cp_group)
-    if cp == 1:
-        if max_seqlen is None:
-            max_seqlen = longest_sequence(cu_seqlens_padded)
-        cu32 = cu_seqlens_padded.to(device=q.device, dtype=torch.int32)
-        return mla_forward_padded(
-            q,
-            k,
-            v,
-            cu32,
-            cu32,
-            max_seqlen,
-            max_seqlen,
-            causal=True,
-            softmax_scale=softmax_scale,
-            backend=backend,
-        )
-    plan = _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, cp_group)
-    impl = _RingAttention if cp_comm_type == "p2p" else _AllGatherAttention
-    return impl.apply(q, k, v, plan, cp_group, cp, float(softmax_scale), BACKENDS.index(backend))
+    if max_seqlen is None:
+        max_seqlen = longest_sequence(cu_seqlens_padded)
+    cu32 = cu_seqlens_padded.to(device=q.device, dtype=torch.int32)
+    return mla_forward_padded(
+        q,
+        k,
+        v,
+        cu32,
+        cu32,
+        max_seqlen,
+        max_seqlen,
+        causal=True,
+        softmax_scale=softmax_scale,
+        backend=backend,
+    )
+

@@ -58,10 +58,6 @@ void check_host_offsets(const char* op, const char* name, const Tensor& cu, int6
              " must equal the number of rows ", rows);
 }
 
-st::ScalarType lse_dtype_of(const Tensor& q) {
-  return q.scalar_type() == st::kDouble ? st::kDouble : st::kFloat;
-}
-
 // Shapes where the native (unpadded) path measured faster than the padded one; "auto" uses it
 // there (benchmarks/LOG.md, H200, bf16, causal 192/128: native 2.1-2.5x faster forward and
 // 1.8-2.1x forward+backward from 16 x 1024 tokens x 16 heads up; at 2 x 1024 x 16 the backward
@@ -141,7 +137,7 @@ void check_mla_backward_args(const char* op, const Tensor& grad_out, const Tenso
     VERL_CHECK(t.size(0) == s.tq && t.size(1) == s.hq && t.size(2) == s.dv, op, ": ", name,
                " must be [Tq, Hq, Dv] = [", s.tq, ", ", s.hq, ", ", s.dv, "]");
   }
-  const st::ScalarType lse_dtype = lse_dtype_of(q);
+  const st::ScalarType lse_dtype = mla_lse_dtype(q);
   VERL_CHECK(softmax_lse.dim() == 2 && softmax_lse.scalar_type() == lse_dtype &&
                  st::same_device(softmax_lse, q),
              op, ": softmax_lse must be a 2-D [Hq, Tq] tensor of dtype ", st::dtype_name(lse_dtype),
@@ -163,10 +159,14 @@ bool shares_offsets(const Tensor& a, const Tensor& b) {
 
 MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-                               bool same_offsets, bool varlen_auto, bool varlen_uniform) {
+                               bool same_offsets, bool varlen_auto, bool varlen_uniform,
+                               bool reference) {
   VERL_CHECK(backend == kMlaBackendAuto || backend == kMlaBackendPadded ||
                  backend == kMlaBackendNative || backend == kMlaBackendVarlen,
              op, ": backend must be 0 (auto), 1 (padded), 2 (native) or 3 (varlen), got ", backend);
+  // FlashAttention, cuDNN and the SM90 kernels take float16 / bfloat16 only: float32 / float64 on
+  // CUDA (e.g. a float32 model being debugged) run the reference kernels whatever was asked.
+  if (reference) return MlaBackend::kReference;
   if (backend == kMlaBackendPadded) return MlaBackend::kPadded;
   // varlen takes every batch shape: ragged, unequal q / kv lengths, grouped heads (head-dim limits
   // are cuDNN's, checked on the device).
@@ -228,6 +228,10 @@ MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& 
   return MlaBackend::kPadded;
 }
 
+st::ScalarType mla_lse_dtype(const Tensor& q) {
+  return q.scalar_type() == st::kDouble ? st::kDouble : st::kFloat;
+}
+
 double mla_softmax_scale(const std::optional<double>& softmax_scale, int64_t dqk) {
   return softmax_scale.has_value() ? *softmax_scale : 1.0 / std::sqrt(static_cast<double>(dqk));
 }
@@ -251,8 +255,9 @@ MlaCall prepare_mla(const char* op, MlaDevice device, const Tensor& q, const Ten
                        softmax_scale);
   const st::ScalarType dt = q.scalar_type();
   if (device == MlaDevice::kCuda) {
-    VERL_CHECK(dt == st::kHalf || dt == st::kBFloat16, op,
-               ": q must be float16 or bfloat16 on CUDA, got ", st::dtype_name(dt));
+    VERL_CHECK(dt == st::kFloat || dt == st::kDouble || dt == st::kHalf || dt == st::kBFloat16, op,
+               ": q must be float16, bfloat16, float32 or float64 on CUDA, got ",
+               st::dtype_name(dt));
   } else {
     VERL_CHECK(dt == st::kFloat || dt == st::kDouble || dt == st::kHalf || dt == st::kBFloat16, op,
                ": q must be float16, bfloat16, float32 or float64 on the CPU, got ",
@@ -270,9 +275,10 @@ MlaCall prepare_mla(const char* op, MlaDevice device, const Tensor& q, const Ten
                 cuda::varlen_cudnn_version() >= cuda::kVarlenAutoMinCudnn;
   varlen_uniform = varlen_auto && cuda::sm90_forward_enabled() && cuda::sm90_backward_enabled();
 #endif
+  const bool reference = device == MlaDevice::kCuda && (dt == st::kFloat || dt == st::kDouble);
   c.backend = resolve_mla_backend(op, backend, c.s, max_seqlen_q, max_seqlen_kv, causal,
                                   shares_offsets(cu_seqlens_q, cu_seqlens_kv), varlen_auto,
-                                  varlen_uniform);
+                                  varlen_uniform, reference);
   c.scale = mla_softmax_scale(softmax_scale, c.s.dqk);
   return c;
 }
@@ -322,7 +328,7 @@ CpuCall prepare_cpu(const char* op, const Tensor& q, const Tensor& k, const Tens
                     int64_t backend, const MlaBackwardInputs* backward) {
   CpuCall c{prepare_mla(op, MlaDevice::kCpu, q, k, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
                         max_seqlen_kv, causal, softmax_scale, backend, backward),
-            {}, st::contiguous(cu_seqlens_q), st::contiguous(cu_seqlens_kv), lse_dtype_of(q)};
+            {}, st::contiguous(cu_seqlens_q), st::contiguous(cu_seqlens_kv), mla_lse_dtype(q)};
   check_host_offsets(op, "cu_seqlens_q", c.cu_q, q.size(0), max_seqlen_q, "max_seqlen_q");
   check_host_offsets(op, "cu_seqlens_kv", c.cu_kv, k.size(0), max_seqlen_kv, "max_seqlen_kv");
   const MlaSizes& s = c.call.s;

@@ -4,7 +4,8 @@
 // Python (verl_ops/_fake.py) and mirror the checks and the layout rule below.
 //
 // This folder holds the whole op: mla.h (index rules shared by the kernels), the host dispatch
-// (mla_ops*.cpp), cpu/ (the float reference), cuda/ (the pad kernel of the padded backend),
+// (mla_ops*.cpp), cpu/ (the float reference), cuda/ (the pad kernel of the padded backend, and
+// the reference kernels that run float32 / float64 on CUDA),
 // cudnn/ (the varlen backend: cuDNN frontend graphs and their metadata kernels) and sm90/ (the
 // varlen backend's own Hopper forward and backward for Dqk 192 / Dv 128). mla_rope (MLA's RoPE of
 // THD rows, what megatron_mla.install() puts under Megatron's THD RoPE) is rope.h, rope_ops*.cpp,
@@ -14,13 +15,15 @@
 //   backend = resolve_mla_backend(...)  (a function of the shapes, causal, shares_offsets and,
 //             for backend=auto, varlen_auto: whether the build has the varlen backend and q's
 //             device is a CUDA device of compute capability 9.x; and varlen_uniform: that, and
-//             the own SM90 forward and backward are on, as mla_cache_info reports)
+//             the own SM90 forward and backward are on, as mla_cache_info reports; and
+//             reference: float32 / float64 on CUDA, which every backend code runs on the CUDA
+//             reference kernels)
 //   if backend == kPadded and Dv < Dqk:
 //     out    [Tq, Hq, Dv] is out_buf[:, :, :Dv] of a fresh contiguous [Tq, Hq, Dqk] buffer
 //            (strides (Hq * Dqk, Dqk, 1), storage offset 0);
 //     grad_v [Tk, Hk, Dv] is likewise the [.., :Dv] view of a contiguous [Tk, Hk, Dqk] buffer;
-//   otherwise (native, varlen, or Dv == Dqk): out / grad_v are contiguous [T, H, Dv].
-//   softmax_lse is a contiguous [Hq, Tq] (float32; float64 for float64 inputs, CPU only);
+//   otherwise (native, varlen, reference, or Dv == Dqk): out / grad_v are contiguous [T, H, Dv].
+//   softmax_lse is a contiguous [Hq, Tq] (float32; float64 for float64 inputs);
 //   grad_q [Tq, Hq, Dqk] and grad_k [Tk, Hk, Dqk] are always contiguous.
 // This holds on every device (the CPU runs one reference for all backends but returns the chosen
 // backend's layout), including the empty cases (Tq == 0, Tk == 0 or B == 0).
@@ -40,7 +43,9 @@ using st::Tensor;
 // The raw ops' int backend argument (the stable ABI has no str at 2.9; Python maps the names).
 // varlen: cuDNN's SDPA on the packed rows through the cuDNN frontend (csrc/mla/cudnn/mla_cudnn_varlen.h),
 // compiled only where setup.py found the frontend's headers (VERL_OPS_WITH_CUDNN_FE).
-enum class MlaBackend { kPadded, kNative, kVarlen };
+// reference: float32 / float64 on CUDA (csrc/mla/cuda/mla_reference_kernels.h), whatever backend
+// code was asked for; never chosen for float16 / bfloat16 or on the CPU.
+enum class MlaBackend { kPadded, kNative, kVarlen, kReference };
 constexpr int64_t kMlaBackendAuto = 0;
 constexpr int64_t kMlaBackendPadded = 1;
 constexpr int64_t kMlaBackendNative = 2;
@@ -72,9 +77,13 @@ void check_mla_backward_args(const char* op, const Tensor& grad_out, const Tenso
 // ones mla_cache_info reports, not a per-device check): auto then sends uniform batches with
 // MLA's head dims 192 / 128 to varlen too (measured ahead of native and padded on every uniform
 // batch, H200).
+// reference: q is float32 / float64 on a CUDA device: every backend code (once checked) gives
+// kReference, ahead of every other rule and of the native backend's shape checks (the reference
+// kernels take every batch; the other CUDA backends take float16 / bfloat16 only).
 MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& s,
                                int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal,
-                               bool same_offsets, bool varlen_auto, bool varlen_uniform);
+                               bool same_offsets, bool varlen_auto, bool varlen_uniform,
+                               bool reference);
 
 // True when a and b are the same offsets: the same first element (data pointer), shape, strides
 // and dtype (no storage API on the stable ABI; the fake kernel compares storage and offset, which
@@ -82,6 +91,9 @@ MlaBackend resolve_mla_backend(const char* op, int64_t backend, const MlaSizes& 
 bool shares_offsets(const Tensor& a, const Tensor& b);
 
 double mla_softmax_scale(const std::optional<double>& softmax_scale, int64_t dqk);
+
+// The dtype of softmax_lse: float64 for float64 inputs, float32 otherwise (every device).
+st::ScalarType mla_lse_dtype(const Tensor& q);
 
 // [rows, heads, cols] of dtype on `like`'s device, in the layout of `backend` (a narrowed
 // [rows, heads, full_cols] buffer for the padded backend when cols < full_cols).

@@ -21,6 +21,9 @@
 //   Compiled only where setup.py found the frontend (VERL_OPS_WITH_CUDNN_FE). The forward for
 //   Dqk 192 / Dv 128 on compute capability 9.0 runs the own SM90 kernel instead
 //   (csrc/mla/sm90/mla_sm90_fwd.cu; VERL_OPS_VARLEN_FORWARD=cudnn keeps cuDNN's).
+// reference: float32 / float64 inputs under every backend code (FlashAttention, cuDNN and the
+//   SM90 kernels take float16 / bfloat16 only): the CPU reference's math on the GPU, accumulated in
+//   the input's type, one warp per output row, no padded copies (csrc/mla/cuda/mla_reference_kernels.h).
 //
 // Stable ABI (target 2.9): aten ops go through the dispatcher (st::call_aten) with Tensor / int /
 // float / bool / optional arguments only (and, at 2.9 to 2.11, only ops whose returns read the same
@@ -40,6 +43,7 @@
 #include <torch/csrc/inductor/aoti_torch/generated/c_shim_cuda.h>
 
 #include "cuda/mla_kernels.h"
+#include "cuda/mla_reference_kernels.h"
 #ifdef VERL_OPS_WITH_CUDNN_FE
 #include "cudnn/mla_cudnn_varlen.h"
 #include "sm90/mla_sm90_bwd.h"
@@ -271,6 +275,70 @@ std::vector<Tensor> cudnn_backward(const Tensor& grad_out4, const Tensor& q4, co
                                    out4, lse4, seed, offset, none, none, none, sq, skv, 0.0,
                                    causal, std::optional<double>(scale));
   return tensor_returns(r, {0, 1, 2});
+}
+
+// ---- reference kernels (float32 / float64) ---------------------------------------------------
+
+// The kernels' view of a call: contiguous offsets (kept alive by the caller) and the sizes.
+cuda::MlaReferenceProblem reference_problem(const Tensor& cu_q, const Tensor& cu_kv,
+                                            const MlaSizes& s, bool causal, double scale) {
+  return {st::ptr<int32_t>(cu_q), st::ptr<int32_t>(cu_kv), s.batch, s.tq, s.tk, s.hq, s.hk,
+          s.dqk, s.dv, causal, scale};
+}
+
+std::tuple<Tensor, Tensor> reference_forward(const char* op, const Tensor& q, const Tensor& k,
+                                             const Tensor& v, const Tensor& cu_seqlens_q,
+                                             const Tensor& cu_seqlens_kv, const MlaSizes& s,
+                                             bool causal, double scale) {
+  const Tensor qc = st::contiguous(q), kc = st::contiguous(k), vc = st::contiguous(v);
+  const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
+  const st::ScalarType dt = q.scalar_type();
+  Tensor out = st::empty(q, {s.tq, s.hq, s.dv}, dt);
+  Tensor lse = st::empty(q, {s.hq, s.tq}, dt);  // float32 / float64: mla_lse_dtype(q)
+  const cuda::MlaReferenceProblem p = reference_problem(cu_q, cu_kv, s, causal, scale);
+  const cudaStream_t stream = st::current_stream(q);
+  if (dt == st::kDouble) {
+    st::check_launch(op, cuda::launch_mla_reference_forward<double>(
+                             p, st::ptr<double>(qc), st::ptr<double>(kc), st::ptr<double>(vc),
+                             st::ptr<double>(out), st::ptr<double>(lse), stream));
+  } else {
+    st::check_launch(op, cuda::launch_mla_reference_forward<float>(
+                             p, st::ptr<float>(qc), st::ptr<float>(kc), st::ptr<float>(vc),
+                             st::ptr<float>(out), st::ptr<float>(lse), stream));
+  }
+  return {out, lse};
+}
+
+std::tuple<Tensor, Tensor, Tensor> reference_backward(
+    const char* op, const Tensor& grad_out, const Tensor& q, const Tensor& k, const Tensor& v,
+    const Tensor& out, const Tensor& softmax_lse, const Tensor& cu_seqlens_q,
+    const Tensor& cu_seqlens_kv, const MlaSizes& s, bool causal, double scale) {
+  const Tensor qc = st::contiguous(q), kc = st::contiguous(k), vc = st::contiguous(v);
+  const Tensor oc = st::contiguous(out), gc = st::contiguous(grad_out);
+  const Tensor lse = st::contiguous(softmax_lse);
+  const Tensor cu_q = st::contiguous(cu_seqlens_q), cu_kv = st::contiguous(cu_seqlens_kv);
+  const st::ScalarType dt = q.scalar_type();
+  // Every element of dq / dk / dv is written by the kernels (zeros where no query sees a key).
+  Tensor dq = st::empty(q, {s.tq, s.hq, s.dqk}, dt);
+  Tensor dk = st::empty(k, {s.tk, s.hk, s.dqk}, dt);
+  Tensor dv = st::empty(v, {s.tk, s.hk, s.dv}, dt);
+  Tensor delta = st::empty(q, {s.hq, s.tq}, dt);
+  const cuda::MlaReferenceProblem p = reference_problem(cu_q, cu_kv, s, causal, scale);
+  const cudaStream_t stream = st::current_stream(q);
+  if (dt == st::kDouble) {
+    st::check_launch(op, cuda::launch_mla_reference_backward<double>(
+                             p, st::ptr<double>(qc), st::ptr<double>(kc), st::ptr<double>(vc),
+                             st::ptr<double>(oc), st::ptr<double>(gc), st::ptr<double>(lse),
+                             st::ptr<double>(delta), st::ptr<double>(dq), st::ptr<double>(dk),
+                             st::ptr<double>(dv), stream));
+  } else {
+    st::check_launch(op, cuda::launch_mla_reference_backward<float>(
+                             p, st::ptr<float>(qc), st::ptr<float>(kc), st::ptr<float>(vc),
+                             st::ptr<float>(oc), st::ptr<float>(gc), st::ptr<float>(lse),
+                             st::ptr<float>(delta), st::ptr<float>(dq), st::ptr<float>(dk),
+                             st::ptr<float>(dv), stream));
+  }
+  return {dq, dk, dv};
 }
 
 // ---- varlen backend -------------------------------------------------------------------------
@@ -536,9 +604,12 @@ std::tuple<Tensor, Tensor> mla_forward_padded_cuda(
     // for a row without keys).
     Tensor out = mla_alloc_rows(call.c.backend, q, s.tq, s.hq, s.dv, s.dqk, q.scalar_type());
     torch::stable::zero_(out);
-    Tensor lse = st::empty(q, {s.hq, s.tq}, st::kFloat);
+    Tensor lse = st::empty(q, {s.hq, s.tq}, mla_lse_dtype(q));
     torch::stable::fill_(lse, kInf);
     return {out, lse};
+  }
+  if (call.c.backend == MlaBackend::kReference) {
+    return reference_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, s, causal, scale);
   }
   if (call.c.backend == MlaBackend::kVarlen) {
     return varlen_forward(op, q, k, v, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
@@ -600,6 +671,10 @@ std::tuple<Tensor, Tensor, Tensor> mla_backward_padded_cuda(
     torch::stable::zero_(grad_v);
     return {st::zeros(q, {s.tq, s.hq, s.dqk}, q.scalar_type()),
             st::zeros(k, {s.tk, s.hk, s.dqk}, k.scalar_type()), grad_v};
+  }
+  if (call.c.backend == MlaBackend::kReference) {
+    return reference_backward(op, grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_kv,
+                              s, causal, scale);
   }
   if (call.c.backend == MlaBackend::kVarlen) {
     return varlen_backward(op, grad_out, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_kv, s,
