@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# On a GPU machine: compute-sanitizer memcheck over every CUDA test of the suites in SUITES, each
+# suite cut into shards (its collected CUDA test ids split round-robin) so that a whole run fits
+# one call; PARALLEL shards at a time (memcheck is mostly host-bound). Builds first (in place, with
+# the cuDNN frontend headers from .cudnn_fe/include where carried). megatron-core 0.16.1 and verl
+# 0.9.1 are unpacked from .whl/ where carried (for test_megatron_model and the real-model cases of
+# test_mla_fp32). Logs per shard and a summary (memcheck.txt) go to ${OUT:-./gpu_out}.
+#
+#   SUITES="thd:4 mla_varlen:2 mla" PARALLEL=8 SHARD_TIMEOUT=500 bash benchmarks/device/gpu_memcheck.sh
+#
+# A suite is the stem of tests/test_<stem>.py, optionally ":N" shards. CUDA tests: those whose
+# name or markers match K (default "cuda or gpu"), torch.compile cases included.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+SUITES="${SUITES:-thd:4 mla_varlen:2 mla:2 mla_sm90 jagged router merge_ops rope mla_fp32 megatron_model}"
+K="${K:-cuda or gpu}"
+nvidia-smi -L | tee "$OUT/device.txt"
+
+t0=$(date +%s)
+if [ "${BUILD:-1}" = 1 ]; then
+  [ -d .cudnn_fe/include ] && export CUDNN_FRONTEND_INCLUDE="$PWD/.cudnn_fe/include"
+  CUDNN_SITE=$(python3 -c "import os, nvidia.cudnn as m; p = os.path.join(list(m.__path__)[0], 'include'); print(p if os.path.isfile(os.path.join(p, 'cudnn.h')) else '')" 2>/dev/null)
+  export CUDNN_INCLUDE="${CUDNN_SITE:-$PWD/.cudnn_fe/include}"
+  MAX_JOBS="${MAX_JOBS:-16}" TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" \
+    python3 setup.py build_ext --inplace > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+  echo "build: $(( $(date +%s) - t0 )) s"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/megatron_core-0.16.1-*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/mcore-site \
+    .whl/megatron_core-0.16.1-*.whl .whl/verl-0.9.1-*.whl > "$OUT/site.log" 2>&1 || tail -5 "$OUT/site.log"
+  export PYTHONPATH="$PYTHONPATH:/tmp/mcore-site"
+fi
+python3 -c "import verl_ops; assert verl_ops.cuda_available(); print('verl_ops', verl_ops.mla_cache_info()['hopper_forward'])" || exit 1
+
+# The shards: one file of test ids each.
+rm -rf /tmp/memcheck_shards && mkdir -p /tmp/memcheck_shards
+for entry in $SUITES; do
+  suite="${entry%%:*}"; n=1; [ "$entry" != "$suite" ] && n="${entry##*:}"
+  python3 -m pytest "tests/test_${suite}.py" -q --collect-only -k "$K" -p no:cacheprovider 2>/dev/null \
+    | grep "::" > "/tmp/memcheck_shards/${suite}.ids"
+  total=$(wc -l < "/tmp/memcheck_shards/${suite}.ids")
+  for ((i = 0; i < n; i++)); do
+    awk -v n="$n" -v i="$i" 'NR % n == i' "/tmp/memcheck_shards/${suite}.ids" > "/tmp/memcheck_shards/${suite}.${i}"
+  done
+  rm "/tmp/memcheck_shards/${suite}.ids"
+  echo "${suite}: ${total} CUDA tests in ${n} shard(s)"
+done | tee "$OUT/shards.txt"
+
+one() {
+  local shard="$1" name t0 rc
+  name=$(basename "$shard")
+  t0=$(date +%s)
+  [ -s "$shard" ] || { echo "${name}: no tests"; return 0; }
+  local ids; mapfile -t ids < "$shard"
+  timeout "${SHARD_TIMEOUT:-500}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+    python3 -m pytest "${ids[@]}" -q -p no:cacheprovider > "$OUT/memcheck_${name}.log" 2>&1; rc=$?
+  echo "${name}: rc=${rc} $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_${name}.log" | tail -1) $(tail -1 "$OUT/memcheck_${name}.log" | grep -E 'passed|failed|error') [$(( $(date +%s) - t0 )) s]"
+}
+export -f one; export OUT SHARD_TIMEOUT
+ls /tmp/memcheck_shards/* | xargs -P "${PARALLEL:-8}" -I{} bash -c 'one "$1"' _ {} | sort | tee "$OUT/memcheck.txt"
+# Logs of the shards come back in one file (the tool returns at most 8 files).
+for f in "$OUT"/memcheck_*.log; do echo "==== $f"; grep -E "ERROR SUMMARY|========= (Invalid|Program hit|Error)|passed|failed|FAILED|Timeout" "$f" | head -20; done > "$OUT/memcheck_logs.txt"
+rm -f "$OUT"/memcheck_*.log
+echo "total: $(( $(date +%s) - t0 )) s"
+grep -qv "rc=0 " "$OUT/memcheck.txt" && exit 1
+exit 0
