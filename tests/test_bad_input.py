@@ -15,6 +15,9 @@ Causes covered (one section each):
    Meta kernels that reject what CPU/CUDA kernels reject. These are written against the ported
    binding layer: int enums (cp_layout 0 zigzag / 1 contiguous, backend 0 auto / 1 padded /
    2 native), router_topk_record taking one [L, T, K] tensor, C++ messages "<op>: <arg> ...".
+6. dense tensor arguments (``test_raw_op_dense_*``): every tensor argument of every raw op given a
+   jagged nested tensor, a strided nested tensor or None ("<op>: <arg> must be a dense (strided)
+   tensor, got ..."), recording gradients, under no_grad and (nested tensors) inference mode.
 
 Every case runs on the CPU, and the tensor cases on CUDA too when a GPU is present.
 """
@@ -1215,6 +1218,253 @@ def test_raw_op_cases_cover_every_op():
 
 def test_case_count():
     """The battery holds at least 100 distinct bad inputs."""
-    cases = LENGTH_CASES + NESTED_CASES + PLAIN_CASES + META_HOST_CASES + ARG_CASES + RAW_CASES
+    cases = LENGTH_CASES + NESTED_CASES + PLAIN_CASES + META_HOST_CASES + ARG_CASES + RAW_CASES + DENSE_CASES
     assert len({c.id for c in cases}) == len(cases)
     assert len(cases) + len(META_CASES) >= 100
+
+
+# --------------------------------------------------------------------------------------------
+# 6. Dense tensor arguments of every raw op. Each tensor argument of each op (from the schemas in
+#    csrc/registration.cpp, csrc/layers/ and the Python-defined ops) given a nested tensor, jagged
+#    or strided, or a None where the schema has a Tensor: ValueError / TypeError naming the op and
+#    the argument, whichever the dispatch path (recording gradients, no_grad, inference mode).
+
+T, OPT, LIST = "Tensor", "Tensor?", "Tensor[]"
+RAW_TENSOR_ARGUMENTS = {
+    "thd_layout": [("lengths", T)],
+    "thd_layout_info": [("x", T)],
+    "preprocess_thd": [("values", T), ("cu_seqlens", T), ("cu_seqlens_padded", T), ("attention_mask", OPT)],
+    "postprocess_thd": [("packed", T), ("cu_seqlens", T), ("cu_seqlens_padded", T), ("attention_mask", OPT)],
+    "jagged_gather": [("values", T), ("src_starts", T), ("cu_seqlens_out", T)],
+    "jagged_scatter": [("grad", T), ("src_starts", T), ("cu_seqlens_out", T)],
+    "dynamic_cp_merge_header": [("lengths", T), ("sample_ids", T)],
+    "dynamic_cp_merge_index": [("header", T)],
+    "dynamic_cp_split": [("values", T), ("lengths", T)],
+    "dynamic_cp_merge": [("values", T), ("lengths", T), ("sample_ids", T)],
+    "merge_router_topk": [("indices", LIST), ("cu_seqlens", T), ("cu_seqlens_padded", T), ("attention_mask", OPT)],
+    "router_topk_record": [("indices", T), ("cu_seqlens", OPT), ("cu_seqlens_padded", OPT), ("attention_mask", OPT)],
+    "router_topk_record_layers": [("indices", LIST), ("cu_seqlens", OPT), ("cu_seqlens_padded", OPT),
+                                  ("attention_mask", OPT)],
+    "router_topk_scatter": [("routes", T), ("cu_seqlens", T), ("cu_seqlens_padded", T), ("attention_mask", OPT),
+                            ("replay_mask", OPT)],
+    "mla_forward_padded": [("q", T), ("k", T), ("v", T), ("cu_seqlens_q", T), ("cu_seqlens_kv", T)],
+    "mla_backward_padded": [("grad_out", T), ("q", T), ("k", T), ("v", T), ("out", T), ("softmax_lse", T),
+                            ("cu_seqlens_q", T), ("cu_seqlens_kv", T)],
+    "mla_cache_info": [("like", T)],
+    "mla_rope": [("x", T), ("cos", T), ("sin", T), ("positions", T)],
+}
+# Ops whose tensors live on the host (a CUDA tensor is the op's own error, not this battery's).
+HOST_OPS = {"thd_layout", "thd_layout_info", "mla_cache_info", "dynamic_cp_split"}
+
+
+def _raw_valid_args(name, d):
+    """A valid positional call of raw op ``name`` on device ``d``, up to its last tensor argument
+    (optional tensors None)."""
+    c, cp_, lr, total = _raw_layout(d)
+    c1, cp1, lr1, total1 = _raw_layout(d, cp=1, cp_layout="contiguous", lengths=(16,))
+    q, k, v, cq, ckv = mla_inputs(d)
+    header = ops.dynamic_cp_merge_header(_i64([3, 5], d), _i64([0, 1], d), 2, 8, 0, 0, 16, 0, 1)
+    return {
+        "thd_layout": lambda: [_i64([3, 5], "cpu")],
+        "thd_layout_info": lambda: [_i64([3, 5], "cpu")],
+        "preprocess_thd": lambda: [torch.zeros(total, 4, device=d), c, cp_, lr, 2, 0, 0, False, None],
+        "postprocess_thd": lambda: [torch.zeros(2, lr, 4, device=d), c, cp_, total, 2, -1, 0, False, None],
+        "jagged_gather": lambda: [torch.zeros(8, 4, device=d), _i64([0], d), _i32([0, 3], d), 3],
+        "jagged_scatter": lambda: [torch.zeros(3, 4, device=d), _i64([0], d), _i32([0, 3], d), 8],
+        "dynamic_cp_merge_header": lambda: [_i64([3, 5], d), _i64([0, 1], d), 2, 8, 0, 0, 16, 0, 1],
+        "dynamic_cp_merge_index": lambda: [header.view(1, -1), 2],
+        "dynamic_cp_split": lambda: [torch.zeros(8, device=d), _i64([3, 5], "cpu"), 8],
+        "dynamic_cp_merge": lambda: [torch.zeros(8, device=d), _i64([3, 5], d), _i64([0, 1], d), 2, 1],
+        "merge_router_topk": lambda: [[torch.zeros(2, 8, 2, dtype=torch.int64, device=d)], _i32([0, 3, 8], d),
+                                      _i32([0, 3, 8], d), 8, 8, 1, 1, 0, None, None, None],
+        "router_topk_record": lambda: [torch.zeros(2, 8, 2, dtype=torch.int16, device=d), _i32([0, 3, 8], d),
+                                       _i32([0, 3, 8], d), 8, None],
+        "router_topk_record_layers": lambda: [[torch.zeros(8, 2, dtype=torch.int16, device=d)] * 2, None, None, 0,
+                                              None],
+        "router_topk_scatter": lambda: [torch.zeros(total1, 2, 2, dtype=torch.int16, device=d), c1, cp1, lr1, 1, 0,
+                                        1, 0, 0, None, None],
+        "mla_forward_padded": lambda: [q, k, v, cq, ckv, 5, 5, True, None, 0],
+        "mla_backward_padded": lambda: [torch.zeros_like(v), q, k, v, torch.zeros_like(v),
+                                        torch.zeros(2, 8, device=d), cq, ckv, 5, 5, True, None, 0],
+        "mla_cache_info": lambda: [torch.empty(0)],
+        "mla_rope": lambda: list(_rope_inputs(d)),
+    }[name]()
+
+
+_BAD_FORMS = {
+    "jagged": "a jagged nested tensor",
+    "strided": "a strided nested tensor",
+    "None": "None",
+}
+
+
+def _bad_form(form, t, d):
+    """``t`` (a valid argument; None for an optional one left out) as a ``form`` input."""
+    if form == "None":
+        return None
+    if t is None:
+        t = torch.zeros(2, 5, dtype=torch.bool, device=d)
+    if form == "jagged":
+        return torch.nested.nested_tensor_from_jagged(t, offsets=torch.tensor([0, t.shape[0]], device=t.device))
+    return torch.nested.nested_tensor([t, t])
+
+
+def _dense_call(name, pos, form, d):
+    op = getattr(ops, name).default
+    args = _raw_valid_args(name, d)
+    value = args[pos]
+    if isinstance(value, list):
+        args[pos] = [_bad_form(form, value[0], d)] + value[1:]
+    else:
+        args[pos] = _bad_form(form, value, d)
+    return op(*args)
+
+
+def _dense_cases():
+    cases = []
+    for name, tensors in RAW_TENSOR_ARGUMENTS.items():
+        if not hasattr(ops, name):  # router_topk_record_layers: torch >= 2.10 builds only
+            continue
+        positions = {a.name: i for i, a in enumerate(getattr(ops, name).default._schema.arguments)}
+        for arg, kind in tensors:
+            for form, what in _BAD_FORMS.items():
+                if form == "None" and kind != T:  # None is an optional argument's default; lists: below
+                    continue
+                expected = "a dense (strided) tensor" + (" or None" if kind == OPT else "")
+                cases.append(Case(
+                    f"dense-{name}-{arg}-{form}", name, f"{arg}[0]" if kind == LIST else arg,
+                    TypeError if form == "None" else ValueError,
+                    lambda d, name=name, pos=positions[arg], form=form: _dense_call(name, pos, form, d),
+                    re.escape(f"must be {expected}, got {what}"), devices="cpu" if name in HOST_OPS else "any",
+                ))
+    return cases
+
+
+DENSE_CASES = _dense_cases()
+_MODES = {"grad": torch.enable_grad, "no_grad": torch.no_grad, "inference": torch.inference_mode}
+
+
+@pytest.mark.parametrize("case, device", params(DENSE_CASES))
+def test_raw_op_dense_arguments(case, device):
+    # A nested tensor is caught whatever the mode; a None beside other tensors by the op's Autograd
+    # kernel, so not under inference mode (docs/ops.md#errors).
+    modes = ("grad", "no_grad") if case.id.endswith("-None") else tuple(_MODES)
+    for mode in modes:
+        with _MODES[mode]():
+            check(case, device)
+
+
+def test_raw_op_dense_cases_cover_every_tensor_argument():
+    """Every op of the namespace is in RAW_TENSOR_ARGUMENTS with exactly its schema's tensor
+    arguments, so a new op or argument needs its cases here."""
+    registered = set(verl_ops._library.namespace_ops())
+    assert registered == {n for n in RAW_TENSOR_ARGUMENTS if hasattr(ops, n)}, registered
+    kinds = {"Tensor": T, "Optional[Tensor]": OPT, "List[Tensor]": LIST}
+    for name in registered:
+        schema = getattr(ops, name).default._schema
+        got = [(a.name, kinds[str(a.type)]) for a in schema.arguments if str(a.type) in kinds]
+        assert got == RAW_TENSOR_ARGUMENTS[name], (name, got)
+    # jagged + strided for every tensor argument, None for every Tensor one
+    n_tensor = sum(kind == T for name in registered for _, kind in RAW_TENSOR_ARGUMENTS[name])
+    n_all = sum(len(RAW_TENSOR_ARGUMENTS[name]) for name in registered)
+    assert len([c for c in DENSE_CASES if c.op in registered]) == 2 * n_all + n_tensor >= 150
+
+
+@pytest.mark.parametrize("name", [n for n, args in RAW_TENSOR_ARGUMENTS.items() if args[0][1] == LIST])
+def test_raw_op_dense_list_argument_none(name):
+    """None for a Tensor[] argument, or inside it, is the schema's error, naming the argument."""
+    if not hasattr(ops, name):
+        pytest.skip(f"{name}: not in this build")
+    op = getattr(ops, name).default
+    for bad in (None, [None], [torch.zeros(8, 2, dtype=torch.int16), None]):
+        args = _raw_valid_args(name, "cpu")
+        args[0] = bad
+        with pytest.raises(RuntimeError, match=rf"{name}\(\) Expected a value of type 'List\[Tensor\]' for argument "
+                                               r"'indices'"):
+            op(*args)
+
+
+def test_raw_op_dense_no_tensor_at_all():
+    """A call whose every tensor argument is None (or an empty list) reaches no kernel of a
+    device: the op still names the argument, instead of the dispatcher's 'no tensor arguments'."""
+    with pytest.raises(TypeError, match=r"^thd_layout: lengths must be a dense \(strided\) tensor, got None$"):
+        ops.thd_layout(None)
+    with pytest.raises(TypeError, match=r"^router_topk_record: indices must be a dense \(strided\) tensor, got None$"):
+        ops.router_topk_record(None)
+    with pytest.raises(TypeError, match=r"^mla_cache_info: like must be a dense \(strided\) tensor, got None$"):
+        ops.mla_cache_info(None, 4)
+    with pytest.raises(TypeError, match=r"^merge_router_topk: cu_seqlens must be a dense \(strided\) tensor"):
+        ops.merge_router_topk([], None, None, 0, 0)
+    if hasattr(ops, "router_topk_record_layers"):  # an empty list and no offsets: no tensor at all
+        with pytest.raises(ValueError, match=r"^router_topk_record_layers: got no tensor \(indices, cu_seqlens, "):
+            ops.router_topk_record_layers([])
+
+
+def test_raw_op_backend_without_kernel_named():
+    """A dense tensor of a backend the op has no kernel for reaches the same default kernel (the one
+    of an all-None call): it names the argument and the backend instead of the dispatcher's key."""
+    q = torch.quantize_per_tensor(torch.tensor([3.0, 5.0]), 1.0, 0, torch.qint32)
+    with pytest.raises(NotImplementedError, match=r"^thd_layout: lengths is a quantized cpu tensor but thd_layout "
+                                                  r"has no kernel for quantized cpu tensors"):
+        ops.thd_layout(q)
+
+
+def test_raw_op_dense_first_bad_argument_named():
+    """Several bad arguments: the first in schema order is named, whichever kind it is."""
+    c, cp_, lr, total = _raw_layout("cpu")
+    nested = _bad_form("jagged", torch.zeros(total, 4), "cpu")
+    with pytest.raises(TypeError, match=r"preprocess_thd: cu_seqlens must be .*, got None"):
+        ops.preprocess_thd(torch.zeros(total, 4), None, _bad_form("strided", cp_, "cpu"), lr, 2)
+    with pytest.raises(ValueError, match=r"preprocess_thd: values must be .*, got a jagged nested tensor"):
+        ops.preprocess_thd(nested, None, cp_, lr, 2)
+
+
+def test_raw_op_dense_checks_leave_valid_calls_alone():
+    """The guards sit where a dense call never goes: valid calls still run, recording gradients,
+    under no_grad and under inference mode, with the right result."""
+    c, cp_, lr, total = _raw_layout("cpu", cp=1)
+    x = torch.arange(total * 2, dtype=torch.float32).view(total, 2)
+    for mode in _MODES.values():
+        with mode():
+            packed, pos = ops.preprocess_thd(x, c, cp_, lr, 1, 0)
+            back = ops.postprocess_thd(packed, c, cp_, total, 1, 0)
+        assert torch.equal(back, x)
+    xg = x.clone().requires_grad_()
+    packed, _ = ops.preprocess_thd(xg, c, cp_, lr, 1, 0)
+    packed.sum().backward()
+    assert torch.equal(xg.grad, torch.ones_like(x))
+    targets, _ = ops.router_topk_scatter(*_raw_valid_args("router_topk_scatter", "cpu"))
+    assert targets.dtype == torch.int64 and not targets.requires_grad
+
+
+def test_raw_op_dense_guard_kernels_registered():
+    """Every op has the kernels that reject a nested tensor and an all-None call (see
+    verl_ops/_library.py), and no CompositeImplicitAutograd kernel (which would decompose it)."""
+    for name in verl_ops._library.namespace_ops():
+        qual = f"verl_ops::{name}"
+        for key in ("CompositeImplicitAutogradNestedTensor", "CompositeExplicitAutogradNonFunctional"):
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(qual, key), (name, key)
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(qual, "CompositeImplicitAutograd"), name
+
+
+def _cp_attention(d, **bad):
+    q, k, v, cu, _ = mla_inputs(d)
+    args = dict(q=q, k=k, v=v, cu_seqlens_padded=cu)
+    args.update(bad)
+    return verl_ops.mla_cp_attention(args["q"], args["k"], args["v"], args["cu_seqlens_padded"], 5)
+
+
+# The Python API with the same hole: mla_cp_attention (without CP it called mla_forward_padded,
+# whose messages named the wrong function, or read q.shape first).
+DENSE_API_CASES = [
+    Case(f"mla_cp_attention-{arg}-{form}", "mla_cp_attention", arg, ValueError,
+         lambda d, arg=arg, form=form: _cp_attention(d, **{arg: _bad_form(form, mla_inputs(d)[i], d)}),
+         "must be a tensor, got NoneType" if form == "None" else r"must be a plain \(strided\) tensor")
+    for i, arg in enumerate(("q", "k", "v", "cu_seqlens_padded"))
+    for form in _BAD_FORMS
+]
+
+
+@pytest.mark.parametrize("case, device", params(DENSE_API_CASES))
+def test_api_dense_arguments(case, device):
+    check(case, device)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import call_op
+from ._library import call_op, register_autograd
 from ._validate import (
     INT32_MAX, as_int, check, check_plain, check_size, host_values_required, is_meta, is_tracing,
     should_validate
@@ -77,12 +77,8 @@ def _scatter_backward(ctx, grad_out):
     return _ops.jagged_gather(grad_out.contiguous(), src_starts, cu_out, ctx.data_rows), None, None, None
 
 
-torch.library.register_autograd(
-    "verl_ops::jagged_gather", _gather_backward, setup_context=_setup_context
-)
-torch.library.register_autograd(
-    "verl_ops::jagged_scatter", _scatter_backward, setup_context=_setup_context
-)
+register_autograd("verl_ops::jagged_gather", _gather_backward, setup_context=_setup_context)
+register_autograd("verl_ops::jagged_scatter", _scatter_backward, setup_context=_setup_context)
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ import os
 
 import torch
 
+from ._library import register_autograd
 from ._validate import INT32_MAX, as_bool, as_int, check, check_plain, is_meta, should_validate
 
 _ops = torch.ops.verl_ops
@@ -276,7 +277,10 @@ def _backward(ctx, grad_out, grad_lse):
     return dq, dk, dv, None, None, None, None, None, None, None
 
 
-torch.library.register_autograd("verl_ops::mla_forward_padded", _backward, setup_context=_setup_context)
+# torch.library.register_autograd, its kernel testing a Tensor argument for None first; the
+# backward op has no derivative: its Autograd kernel only runs that test (verl_ops._library).
+register_autograd("verl_ops::mla_forward_padded", _backward, setup_context=_setup_context)
+register_autograd("verl_ops::mla_backward_padded")
 
 
 def _host_int(v):

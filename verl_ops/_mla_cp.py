@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ._mla import BACKENDS, _qkv_error, mla_forward_padded
+from ._validate import plain_error
 
 _ops = torch.ops.verl_ops
 
@@ -554,7 +555,9 @@ def mla_cp_attention(
         ``[t_local, n, Dv]``, equal to the rows of this rank in causal attention over the whole
         padded sequences; differentiable in q, k and v.
     """
-    error = _argument_error(cp_layout, backend, cp_comm_type, softmax_scale)
+    tensors = (("q", q), ("k", k), ("v", v), ("cu_seqlens_padded", cu_seqlens_padded))
+    error = next((e for name, t in tensors if (e := plain_error(OP, name, t))), "")
+    error = error or _argument_error(cp_layout, backend, cp_comm_type, softmax_scale)
     cp, rank = group_size_rank(cp_group)
     if cp > 1:
         # Every check, this rank's argument errors included, goes through the status exchange.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ._library import register_autograd
 from ._validate import check_plain
 
 _ops = torch.ops.verl_ops
@@ -35,7 +36,8 @@ def _backward(ctx, grad):
     return grad_x, None, None, None, None, None
 
 
-torch.library.register_autograd("verl_ops::mla_rope", _backward, setup_context=_setup_context)
+# torch.library.register_autograd, its kernel testing a Tensor argument for None first.
+register_autograd("verl_ops::mla_rope", _backward, setup_context=_setup_context)
 
 
 def mla_rope(

@@ -7,11 +7,11 @@ import zlib
 
 import torch
 
-from ._library import _BelowAutograd, call_op
+from ._library import _BelowAutograd, call_op, redispatcher
 from ._validate import (
-    check, check_attention_mask, check_cp, check_cp_layout, check_cp_rows, check_jagged, check_mask_lengths,
-    check_offset_pair, check_plain, check_rank, check_size, device_of, is_jagged_nested, is_meta,
-    should_validate
+    DenseArguments, check, check_attention_mask, check_cp, check_cp_layout, check_cp_rows, check_jagged,
+    check_mask_lengths, check_offset_pair, check_plain, check_rank, check_size, device_of, is_jagged_nested,
+    is_meta, should_validate
 )
 from .layout import ThdLayout, _to_device
 
@@ -144,24 +144,22 @@ class _Unpack(torch.autograd.Function):
 # With nothing to record they redispatch straight to the keys below Autograd (the keyset the
 # dispatcher handed in), without a second trip through the dispatcher's entry. They call the
 # operator handle's redispatch directly (what OpOverload.redispatch does, less one Python frame
-# and one argument tuple: ~1 µs of the ~7 µs this kernel costs on a 2-core host).
+# and one argument tuple: ~1 µs of the ~7 µs this kernel costs on a 2-core host). Each first tests
+# its Tensor arguments for None (a nested tensor never reaches it: see verl_ops._library).
 _after_autograd = torch._C._after_autograd_keyset
 _pack_op = _ops.preprocess_thd.default
 _unpack_op = _ops.postprocess_thd.default
-
-
-def _redispatcher(op):
-    handle = getattr(op, "_handle", None)
-    return getattr(handle, "redispatch_boxed", None) or op.redispatch
-
-
-_pack_redispatch = _redispatcher(_pack_op)
-_unpack_redispatch = _redispatcher(_unpack_op)
+_pack_redispatch = redispatcher(_pack_op)
+_unpack_redispatch = redispatcher(_unpack_op)
+_pack_dense = DenseArguments.of("verl_ops::preprocess_thd")
+_unpack_dense = DenseArguments.of("verl_ops::postprocess_thd")
 _grad_enabled = torch.is_grad_enabled
 
 
 # (The dispatcher leaves trailing arguments that equal their schema default out of the call.)
 def _pack_autograd(keyset, values, cu, cu_padded, local_rows, cp_size=1, cp_rank=0, cp_layout=0, roll=False, mask=None):
+    if values is None or cu is None or cu_padded is None:
+        raise _pack_dense.error((values, cu, cu_padded))
     if values.requires_grad and _grad_enabled():
         return _Pack.apply(values, cu, cu_padded, local_rows, cp_size, cp_rank, cp_layout, roll, mask)
     return _pack_redispatch(keyset & _after_autograd, values, cu, cu_padded, local_rows, cp_size, cp_rank, cp_layout,
@@ -170,6 +168,8 @@ def _pack_autograd(keyset, values, cu, cu_padded, local_rows, cp_size=1, cp_rank
 
 def _unpack_autograd(keyset, packed, cu, cu_padded, total_tokens, cp_size=1, cp_rank=-1, cp_layout=0, roll=False,
                      mask=None):
+    if packed is None or cu is None or cu_padded is None:
+        raise _unpack_dense.error((packed, cu, cu_padded))
     if packed.requires_grad and _grad_enabled():
         return _Unpack.apply(packed, cu, cu_padded, total_tokens, cp_size, cp_rank, cp_layout, roll, mask)
     return _unpack_redispatch(keyset & _after_autograd, packed, cu, cu_padded, total_tokens, cp_size, cp_rank,

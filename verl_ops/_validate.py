@@ -31,10 +31,15 @@ tensors. Layout arguments (:func:`check_rank`, :func:`check_layout_mask`,
 
 Raw ops (:func:`check` and the ``check_*`` functions after it): the argument checks that the fake
 (Meta) kernels of every op family share, raising ``RuntimeError`` in the C++ kernels' words.
+
+Dense tensor arguments (:class:`DenseArguments`, last): every tensor argument of every raw op is a
+dense (strided) tensor; the error for a nested tensor or a None in one, read from the op's schema,
+which verl_ops._library registers on every op.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
 from collections.abc import Sequence
 
@@ -213,9 +218,19 @@ def check_plain(op: str, name: str, t, *, optional: bool = False) -> None:
     if t is None and optional:
         return
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{op}: {name} must be a tensor, got {type(t).__name__}")
+        raise TypeError(plain_error(op, name, t))
     if t.is_nested:
-        raise ValueError(f"{op}: {name} must be a plain (strided) tensor, got a nested tensor")
+        raise ValueError(plain_error(op, name, t))
+
+
+def plain_error(op: str, name: str, t) -> str:
+    """:func:`check_plain`'s message for ``t``, or '' for a plain tensor (for an entry point that
+    reports its argument errors through a status exchange with the other ranks)."""
+    if not isinstance(t, torch.Tensor):
+        return f"{op}: {name} must be a tensor, got {type(t).__name__}"
+    if t.is_nested:
+        return f"{op}: {name} must be a plain (strided) tensor, got a nested tensor"
+    return ""
 
 
 def process_group_named(op: str, name: str, group_name: str):
@@ -385,3 +400,134 @@ def check_attention_mask(op: str, mask: torch.Tensor, like: torch.Tensor, cu: to
         mask.shape[0] == cu.shape[0] - 1,
         lambda: f"{op}: attention_mask has {mask.shape[0]} rows but the layout has {cu.shape[0] - 1} sequences",
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Dense tensor arguments of every raw op. Each tensor argument of an op of torch.ops.verl_ops is a
+# dense (strided) tensor; a nested tensor (jagged or strided) in one, or a None where the schema
+# has a Tensor (not a Tensor?), is rejected naming the op and the argument:
+#     "preprocess_thd: values must be a dense (strided) tensor, got a jagged nested tensor"
+# ValueError for a nested (or sparse) tensor, TypeError for None. A Tensor? argument takes a dense
+# tensor or None; a Tensor[] argument dense tensors (a None in the list, or for the whole list, is
+# rejected by the schema: "verl_ops::<op>() Expected a value of type 'List[Tensor]' for argument
+# '<name>' ..."). verl_ops._library registers these errors on every op (guard_dense_arguments).
+
+DENSE = "a dense (strided) tensor"
+
+
+def non_dense(t) -> str | None:
+    """What ``t`` is when it is not a dense tensor ("None", "a jagged nested tensor", "a strided
+    nested tensor", "a sparse_coo tensor", ...); None for a dense tensor (or a non-tensor)."""
+    if t is None:
+        return "None"
+    if is_jagged_nested(t):
+        return "a jagged nested tensor"
+    if not isinstance(t, torch.Tensor):
+        return None
+    layout = str(t.layout).replace("torch.", "")
+    if t.is_nested:
+        return f"a {layout} nested tensor"
+    return None if t.layout == torch.strided else f"a {layout} tensor"
+
+
+def _tensor_kind(jit_type) -> str | None:
+    """"tensor", "optional" or "list" for a schema argument of type Tensor, Tensor? or Tensor[]."""
+    if isinstance(jit_type, torch.TensorType):
+        return "tensor"
+    if isinstance(jit_type, torch.OptionalType) and isinstance(jit_type.getElementType(), torch.TensorType):
+        return "optional"
+    if isinstance(jit_type, torch.ListType) and isinstance(jit_type.getElementType(), torch.TensorType):
+        return "list"
+    return None
+
+
+_ABSENT = object()
+
+
+class DenseArguments:
+    """The tensor arguments of one op, read from its schema, and the error of a call that passes a
+    nested tensor or a None in one of them.
+
+    Arguments come as the dispatcher hands them to a Python kernel: positional in schema order
+    (trailing defaults possibly left out), keyword-only ones by name. ``required``: the positions of
+    the Tensor (not Tensor?, not Tensor[]) arguments, for a kernel's fast test of a None.
+    """
+
+    __slots__ = ("op", "tensors", "required")
+
+    def __init__(self, op: str, schema):
+        self.op = op
+        # (position, name, kind, keyword-only) of each tensor argument, in schema order.
+        self.tensors = tuple(
+            (i, a.name, kind, a.kwarg_only)
+            for i, a in enumerate(schema.arguments)
+            if (kind := _tensor_kind(a.type)) is not None
+        )
+        self.required = tuple(i for i, _, kind, kw in self.tensors if kind == "tensor" and not kw)
+
+    @classmethod
+    def of(cls, qualname: str) -> DenseArguments:
+        """The tensor arguments of ``namespace::op`` (its default overload)."""
+        ns, name = qualname.split("::")
+        return cls(name, getattr(getattr(torch.ops, ns), name).default._schema)
+
+    def _values(self, args, kwargs):
+        """(argument name, kind, value) of every tensor argument passed, list entries one by one."""
+        for i, name, kind, kw in self.tensors:
+            value = (kwargs or {}).get(name, _ABSENT) if kw else (args[i] if i < len(args) else _ABSENT)
+            if value is _ABSENT or (value is None and kind != "tensor"):
+                continue  # left out (its default) or an optional argument's None
+            if kind == "list" and isinstance(value, (list, tuple)):
+                for j, t in enumerate(value):
+                    yield f"{name}[{j}]", kind, t
+            else:
+                yield name, kind, value
+
+    def error(self, args, kwargs=None) -> Exception | None:
+        """The error for the first tensor argument that is not dense, or None when all are."""
+        for arg, kind, t in self._values(args, kwargs):
+            what = non_dense(t)
+            if what is not None:
+                expected = f"{DENSE} or None" if kind == "optional" else DENSE
+                return (TypeError if t is None else ValueError)(f"{self.op}: {arg} must be {expected}, got {what}")
+        return None
+
+    def none_error(self, args, kwargs=None) -> Exception | None:
+        """:meth:`error`'s error when a Tensor argument is None (the fast test of ``required``)."""
+        for i in self.required:
+            if i < len(args) and args[i] is None:
+                return self.error(args, kwargs)
+        return None
+
+    def reject(self, args, kwargs=None) -> Exception:
+        """The error of a call that reached a kernel no dense call on a supported device reaches:
+        :meth:`error`'s; else (dense tensors on a device the op has no kernel for) a
+        NotImplementedError naming the device; else (no tensor at all) a ValueError."""
+        e = self.error(args, kwargs)
+        if e is not None:
+            return e
+        for arg, _, t in self._values(args, kwargs):
+            if isinstance(t, torch.Tensor):
+                kind = ("quantized " if t.is_quantized else "") + t.device.type
+                return NotImplementedError(
+                    f"{self.op}: {arg} is a {kind} tensor but {self.op} has no kernel for {kind} tensors in this build"
+                )
+        names = ", ".join(name for _, name, _, _ in self.tensors)
+        return ValueError(f"{self.op}: got no tensor ({names}: None or empty), it needs {DENSE}")
+
+    def check_none(self, args, kwargs=None) -> None:
+        """Raise :meth:`none_error`'s error, if any."""
+        e = self.none_error(args, kwargs)
+        if e is not None:
+            raise e
+
+    def checked(self, fn):
+        """``fn``, a Python kernel of the op (CPU, CUDA, fake), testing its Tensor arguments for None
+        first (a nested tensor never reaches such a kernel: see verl_ops._library)."""
+
+        @functools.wraps(fn)
+        def kernel(*args, **kwargs):
+            self.check_none(args, kwargs)
+            return fn(*args, **kwargs)
+
+        return kernel

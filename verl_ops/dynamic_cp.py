@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._jagged import jagged_indices
+from ._library import call_op, guard_dense_arguments, register_autograd
 from ._validate import (
     CallerRejected,
     INT32_MAX,
@@ -458,6 +459,10 @@ _lib.define(
     "str? group_name=None, bool validate=True, int key_hash=0, bool rank_error=False) "
     "-> (Tensor values, Tensor lengths)"
 )
+# Nested tensors and all-None calls (verl_ops._library); a None beside defined tensors: each op's
+# kernels below (inside their try blocks, so that a rank's error still joins the exchange).
+_split_dense = guard_dense_arguments("dynamic_cp_split")
+_merge_dense = guard_dense_arguments("dynamic_cp_merge")
 
 
 def _groups_of(op: str, group_name) -> DynamicCPGroups | None:
@@ -499,6 +504,7 @@ def _split_impl(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, ass
     try:
         if rank_error:
             raise CallerRejected()
+        _split_dense.check_none((values, lengths))
         if not isinstance(assignment, int) or not 0 <= assignment < len(ASSIGNMENTS):
             raise ValueError(f"{op}: assignment must be 0 (contiguous) or 1 (balanced), got {assignment!r}")
         ls = as_lengths(op, "lengths", lengths)
@@ -558,9 +564,9 @@ def _merge_header(values, lengths, sample_ids, num_samples, local_cp_size, key_h
         lengths = lengths.to(device)
     if sample_ids.device != device:
         sample_ids = sample_ids.to(device)
-    return _ops.dynamic_cp_merge_header(
-        lengths, sample_ids, num_samples, values.shape[0], _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash,
-        local_cp_size,
+    return call_op(
+        _ops.dynamic_cp_merge_header, lengths, lengths, sample_ids, num_samples, values.shape[0],
+        _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash, local_cp_size,
     )
 
 
@@ -584,7 +590,7 @@ def _merge_index(hdr: torch.Tensor, B: int, validate: bool):
     """
     G = hdr.shape[0]
     merged_at = G + 2 + G * _MERGE_META
-    buf, cu = _ops.dynamic_cp_merge_index(hdr, B, validate)
+    buf, cu = call_op(_ops.dynamic_cp_merge_index, hdr, hdr, B, validate)
     return buf, merged_at, merged_at + B + 1, cu
 
 
@@ -619,11 +625,16 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     error = local = None
     B = num_samples
     M = _MERGE_META
+    missing = _merge_dense.none_error((values, lengths, sample_ids))
+    if missing is not None and G == 1:
+        raise missing  # no exchange to join
     device = groups.device if groups is not None and G > 1 else values.device
     valid_b = isinstance(B, int) and not isinstance(B, bool) and 0 <= B <= INT32_MAX
     try:
         if rank_error:
             raise CallerRejected()
+        if missing is not None:
+            raise missing
         if not valid_b:
             raise ValueError(f"{op}: num_samples must be an int >= 0, got {B!r}")
         if groups is None and local_cp_size != 1:
@@ -712,6 +723,7 @@ def _concrete(t: torch.Tensor) -> bool:
 
 
 @torch.library.register_fake("verl_ops::dynamic_cp_split")
+@_split_dense.checked
 def _split_fake(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, assignment=0, validate=True,
                 rank_error=False):
     op = "dynamic_cp_split"
@@ -733,6 +745,7 @@ def _split_fake(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, ass
 
 
 @torch.library.register_fake("verl_ops::dynamic_cp_merge")
+@_merge_dense.checked
 def _merge_fake(values, lengths, sample_ids, num_samples, local_cp_size, group_name=None, validate=True,
                 key_hash=0, rank_error=False):
     rows = torch.library.get_ctx().new_dynamic_size()
@@ -785,7 +798,9 @@ def _split_backward(ctx, grad, *_):
     return out, None, None, None, None, None, None
 
 
-torch.library.register_autograd("verl_ops::dynamic_cp_split", _split_backward, setup_context=_split_setup_context)
+register_autograd("verl_ops::dynamic_cp_split", _split_backward, setup_context=_split_setup_context)
+# No derivative: the Autograd kernel only tests a None (its wrapper calls it below Autograd).
+register_autograd("verl_ops::dynamic_cp_merge_header")
 
 
 # --------------------------------------------------------------------------------------------

@@ -159,6 +159,12 @@ def _router_topk_scatter_fake(routes, cu_seqlens, cu_seqlens_padded, local_rows,
     return targets, replay
 
 
+# No derivative (integer routes): their Autograd kernels only test a Tensor argument for None; the
+# Python API below calls them below Autograd.
+_library.register_autograd("verl_ops::router_topk_record")
+_library.register_autograd("verl_ops::router_topk_scatter")
+
+
 # --------------------------------------------------------------------------------------------
 # Python API and the op merge_router_topk (defined here).
 
@@ -237,7 +243,7 @@ def _record(layers, *args, op: str = "router_topk_record"):
     try:
         if isinstance(layers, list):
             return _ops.router_topk_record_layers(layers, *args)
-        return _ops.router_topk_record(layers, *args)
+        return _library.call_op(_ops.router_topk_record, layers, layers, *args)
     except RuntimeError as e:
         msg = str(e)
         if op == "router_topk_record" or not msg.startswith("router_topk_record: "):
@@ -298,6 +304,9 @@ _lib.define(
     "SymInt local_rows, int tp_size=1, int cp_size=1, int cp_layout=0, str? tp_group_name=None, "
     "str? cp_group_name=None, Tensor? attention_mask=None, bool validate=True, bool rank_error=False) -> Tensor"
 )
+# Nested tensors and all-None calls (verl_ops._library); a None beside defined tensors: its kernels
+# (inside the try block, so that a rank's error still joins the exchange).
+_merge_dense = _library.guard_dense_arguments("merge_router_topk")
 
 
 def _group_of(op: str, name: str, group_name, size: int):
@@ -395,6 +404,7 @@ def _merge_impl(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_
     try:
         if rank_error:
             raise CallerRejected()
+        _merge_dense.check_none((indices, cu, cu_padded))
         stacked = len(indices) == 1 and indices[0].dim() == 3
         layer_list, num_layers, rows, topk, device = _layer_list(op, indices[0] if stacked else list(indices))
         if local_rows % tp != 0:
@@ -454,6 +464,7 @@ for _key in ("CPU", "CUDA"):
 
 
 @torch.library.register_fake("verl_ops::merge_router_topk")
+@_merge_dense.checked
 def _merge_fake(indices, cu, cu_padded, total_tokens, local_rows, tp_size=1, cp_size=1, cp_layout=0,
                 tp_group_name=None, cp_group_name=None, attention_mask=None, validate=True, rank_error=False):
     op = "merge_router_topk"
@@ -629,7 +640,9 @@ def scatter_router_topk(
         if replay_mask is not None:
             _check_int_mask(op, "replay_mask", replay_mask, routes.device)
             replay_mask = _jagged_values(op, "replay_mask", replay_mask, layout, validate, 0)
-    targets, packed_mask = _ops.router_topk_scatter(
+    targets, packed_mask = _library.call_op(
+        _ops.router_topk_scatter,
+        values,
         values,
         cu,
         cu_padded,
