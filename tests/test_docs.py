@@ -5,6 +5,11 @@
 - Every ``docs/<page>.md`` or ``docs/<page>.md#<anchor>`` cited by a tracked file names an existing
   page and, with an anchor, a heading of that page producing it (GitHub's slugs).
 - Every relative Markdown link of the README and of docs/ names an existing file (and anchor).
+- No tracked file cites a Markdown file the repository does not hold: every Markdown link to a
+  ``.md`` file in a tracked ``.md`` file, and every bare mention of a document named in capitals
+  (the README, RESULTS and LOG kind, with or without a relative path) in any tracked text file,
+  resolves to a file of the repository (a document kept outside it must be brought in, as
+  docs/performance.md was).
 - The README's Quick start code block holds exactly two commands (they are run from a fresh clone).
 """
 
@@ -25,6 +30,13 @@ DOC_REF = re.compile(r"(?<![\w./-])(docs/[\w./-]*?\.md)(#[\w-]+)?")
 # A Markdown link's target: [text](target) or ![alt](target).
 MD_LINK = re.compile(r"\]\(([^()\s]+)\)")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+# A document named in capitals (the README, benchmarks/ RESULTS and LOG kind, or an absolute path
+# to one), not inside a longer name or a URL. Lower-case bare names are mostly files the scripts write
+# (results_thd.md); docs/<page>.md citations are DOC_REF's.
+MD_NAME = re.compile(r"(?<![\w./-])(/?(?:[\w.-]+/)*[A-Z][A-Z0-9_-]*\.md)(?![\w-])")
+# A Markdown link to a .md file (the anchor aside).
+MD_FILE_LINK = re.compile(r"\]\(([^()\s]+?\.md)(?:#[^()\s]*)?\)")
+URL = re.compile(r"\b[a-z][a-z0-9+.-]*://\S+")
 FENCE = re.compile(r"^\s*(```|~~~)")
 
 
@@ -177,6 +189,57 @@ def test_markdown_links_resolve():
             if problem:
                 bad.append(f"{rel}:{_line_of(text, m.start())}: {target}: {problem}")
     assert not bad, "\n".join(bad)
+
+
+def missing_md_citations(rel: str, text: str, files: set) -> list[str]:
+    """The Markdown files that ``text`` (the file ``rel``) cites and ``files`` (paths relative to
+    the root) does not hold, as "line: name". A Markdown link (``.md`` files only) resolves against
+    ``rel``'s folder; a bare name against ``rel``'s folder, the root, or, without a folder of its
+    own, any file of that name (RESULTS.md is benchmarks/RESULTS.md wherever it is mentioned). An
+    absolute path is never in the repository; URLs are skipped."""
+    urls = [m.span() for m in URL.finditer(text)]
+    by_name = {os.path.basename(f) for f in files}
+    folder = os.path.dirname(rel)
+    found = {m.start(1): (m.group(1), True) for m in MD_NAME.finditer(text)}
+    if rel.endswith(".md"):  # a link's target is resolved as a link, not as a bare name
+        found.update({m.start(1): (m.group(1), False) for m in MD_FILE_LINK.finditer(text)})
+    bad = []
+    for pos, (name, bare) in sorted(found.items()):
+        if any(a <= pos < b for a, b in urls):
+            continue
+        if name.startswith("/"):
+            ok = False
+        else:
+            here = os.path.normpath(os.path.join(folder, name))
+            ok = here in files or (bare and (os.path.normpath(name) in files or ("/" not in name and name in by_name)))
+        if not ok:
+            bad.append(f"{_line_of(text, pos)}: {name}")
+    return bad
+
+
+def test_missing_md_citations_finds_what_is_missing():
+    files = {"README.md", "docs/ops.md", "benchmarks/RESULTS.md", "benchmarks/LOG.md"}
+    gone = "PERFORMANCE" + ".md"  # built, so that this file does not cite it
+    text = "\n".join([
+        f"targets ({gone}); see {gone}#floors",  # 1: bare, twice
+        "numbers in RESULTS.md and benchmarks/LOG.md, contract in [ops](docs/ops.md#errors)",  # 2: all exist
+        f"[perf](../{gone}) and [gone](docs/{gone.lower()})",  # 3: links out of the tree and to a missing page
+        f"https://example.org/{gone} and /work/shared/{gone}",  # 4: a URL (skipped), an absolute path
+        "results_thd.md is written by the script",  # 5: lower case, not a document
+    ])
+    assert missing_md_citations("README.md", text, files) == [
+        f"1: {gone}", f"1: {gone}", f"3: ../{gone}", f"3: docs/{gone.lower()}", f"4: /work/shared/{gone}",
+    ]
+    # A bare name resolves against the citing file's folder too; a link only there.
+    assert missing_md_citations("benchmarks/x.py", "see LOG.md", files) == []
+    assert missing_md_citations("benchmarks/x.md", "[log](LOG.md) [ops](docs/ops.md)", files) == ["1: docs/ops.md"]
+
+
+def test_cited_markdown_files_exist():
+    texts = _tracked_texts()
+    files = {rel for rel, _ in texts} | set(_tracked_files())
+    bad = [f"{rel}:{where}" for rel, text in texts for where in missing_md_citations(rel, text, files)]
+    assert not bad, "cites a Markdown file the repository does not hold:\n" + "\n".join(bad)
 
 
 def _section(text: str, title: str) -> str:

@@ -3,9 +3,9 @@
     python benchmarks/router/bench_router.py --out benchmarks/results_router.md
     python benchmarks/router/bench_router.py --quick --device cpu        # tiny sizes, a smoke test
 
-Batch (PERFORMANCE.md): 512 sequences, 517k tokens (lengths uniform in [mean/4, 7*mean/4], fixed
-seed), L = 48 MoE layers, top-k K = 8, FP8 padding on (the layout where the router and the model
-once disagreed). One GPU: tp = cp = 1 for the end-to-end calls (no collective), plus the local
+Batch (docs/performance.md#router-replay): 512 sequences, 517k tokens (lengths uniform in [mean/4,
+7*mean/4], fixed seed), L = 48 MoE layers, top-k K = 8, FP8 padding on (the layout where the
+router and the model once disagreed). One GPU: tp = cp = 1 for the end-to-end calls (no collective), plus the local
 steps of a tp = 2 / cp = 4 rank (the record kernel alone, the replay of rank (1, 3)).
 
 Rows (each checked against the truth and the verl-style path before timing):

@@ -1,12 +1,12 @@
-"""Benchmark of verl_ops.preprocess_thd (pack) and postprocess_thd (unpack) on PERFORMANCE.md's batches.
+"""Benchmark of verl_ops.preprocess_thd (pack) and postprocess_thd (unpack) on docs/performance.md's batches.
 
     python benchmarks/thd/bench_thd.py --out benchmarks/results_thd.md --plot benchmarks/thd.png
     python benchmarks/thd/bench_thd.py --quick --device cpu          # tiny sizes, a smoke test
 
-Batches (PERFORMANCE.md): (a) 64 seqs / 136k tokens int64 ids, (b) 256 / 528k int64 ids,
-(c) 256 / 506k bf16 hidden 4096, (d) 512 / 517k router top-k int16 [48, 8]; each at cp=1 and at
-cp=4 zigzag (pack = rank 0's shard; unpack = all 4 shards gathered), plus cp=4 contiguous for (a)
-and (c). Lengths are log-normal (sigma 1, as RL response lengths spread; fixed seed), scaled to the
+Batches (docs/performance.md#thd-pack-and-unpack): (a) 64 seqs / 136k tokens int64 ids, (b) 256 /
+528k int64 ids, (c) 256 / 506k bf16 hidden 4096, (d) 512 / 517k router top-k int16 [48, 8]; each at
+cp=1 and at cp=4 zigzag (pack = rank 0's shard; unpack = all 4 shards gathered), plus cp=4
+contiguous for (a) and (c). Lengths are log-normal (sigma 1, as RL response lengths spread; fixed seed), scaled to the
 exact total: in (a) they run from a few hundred to ~15k tokens.
 
 For every configuration, after checking the outputs (ours == verl loop == TE-style gather on every
@@ -327,7 +327,7 @@ def run_config(case, lengths, cp, cp_layout, buf, device, bw, args):
 
 
 def targets(r):
-    """Target checks of PERFORMANCE.md for one result row (GPU runs only)."""
+    """Target checks of docs/performance.md#targets for one result row (GPU runs only)."""
     if not r["device"].startswith("cuda"):
         return "n/a (not a GPU)"
     marks = []
@@ -337,7 +337,7 @@ def targets(r):
         marks.append(f"≤{lim}x floor {'✅' if ratio <= lim else '❌'}")
     if r["feat"] == ():
         marks.append(f"<20 µs {'✅' if r['ours'] < 20e-6 else '❌'}")
-    if r["kind"] == "pack":  # PERFORMANCE.md's 100x is against verl's pack times
+    if r["kind"] == "pack":  # docs/performance.md's 100x is against verl's pack times
         sp = r["verl"] / r["e2e"]
         marks.append(f"≥100x e2e {'✅' if sp >= 100 else '❌'}")
     if isinstance(r["n_ops"], int):
@@ -517,8 +517,8 @@ def main(argv=None):
         "e2e speedup = verl loop / verl_ops e2e.",
         "- GPU ops / sync: GPU activities (kernels, memsets, copies) of one op call from torch.profiler; "
         "whether the call host-synchronises (`torch.cuda.set_sync_debug_mode('error')`).",
-        "- targets (PERFORMANCE.md): ≤1.1x floor for rows ≥1 KB and ≤1.3x for narrower rows when the payload "
-        "is ≥64 MB; <20 µs device time for id-only batches; pack e2e ≥100x faster than verl's loop (PERFORMANCE.md "
+        "- targets (docs/performance.md): ≤1.1x floor for rows ≥1 KB and ≤1.3x for narrower rows when the payload "
+        "is ≥64 MB; <20 µs device time for id-only batches; pack e2e ≥100x faster than verl's loop (docs/performance.md "
         "sets it against verl's pack times; unpack speedups are shown without a target).",
         "- outputs checked before timing: pack == verl loop (every row; position ids on valid rows), == TE-style "
         "gather for every rank; unpack(pack(x)) == x; verl unpack loop == x.",
