@@ -22,6 +22,12 @@ if "VERL_OPS_TEST_INDUCTOR_CACHE" not in os.environ:
 else:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.environ["VERL_OPS_TEST_INDUCTOR_CACHE"]
 
+# The verl plugin (verl_ops_plugin, a "verl.plugins" entry point of this package) would patch verl
+# wherever a test process imports the real verl: the tests that compare verl's own functions with
+# the drop-ins, or that call install() themselves, need verl as it ships. tests/test_verl_plugin.py
+# turns it on in the fresh processes it starts.
+os.environ["VERL_OPS_PLUGIN"] = "off"
+
 import pytest
 import torch
 

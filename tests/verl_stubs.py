@@ -153,8 +153,11 @@ def load_verl_util(monkeypatch):
     must be importable. Raises LookupError when verl or its util.py is missing.
     """
     util = sys.modules.get("verl.models.mcore.util")
-    if util is not None:
+    if util is not None and getattr(util, "_verl_stubs_loaded", False):
         return util
+    # (Another module of that name, e.g. the real one that verl_ops.integrations.verl.install()
+    # imported where verl's dependencies are installed, is bound to the megatron-core of its own
+    # import time, not to the stand-in a test installs: load a copy of our own.)
     root = _verl_root()
     path = os.path.join(root, "models", "mcore", "util.py")
     if not os.path.exists(path):
@@ -171,6 +174,7 @@ def load_verl_util(monkeypatch):
     monkeypatch.setitem(sys.modules, "verl.utils.model", model)
     spec = importlib.util.spec_from_file_location("verl.models.mcore.util", path)
     util = importlib.util.module_from_spec(spec)
+    util._verl_stubs_loaded = True
     monkeypatch.setitem(sys.modules, "verl.models.mcore.util", util)
     spec.loader.exec_module(util)
     return util
