@@ -32,6 +32,12 @@ import pytest
 import torch
 
 import verl_ops  # noqa: F401  (registers torch.ops.verl_ops)
+
+# VERL_OPS_TEST_CUDA_MEMORY_FRACTION=f caps this process's share of the GPU's memory (torch's
+# allocator), so that several test processes can share one GPU (benchmarks/device/gpu_memcheck.sh
+# runs shards of the suites side by side under compute-sanitizer).
+if os.environ.get("VERL_OPS_TEST_CUDA_MEMORY_FRACTION") and torch.cuda.is_available():
+    torch.cuda.set_per_process_memory_fraction(float(os.environ["VERL_OPS_TEST_CUDA_MEMORY_FRACTION"]))
 from reference import ref_layout
 from verl_ops import ThdLayout
 

@@ -35,9 +35,10 @@ if ls .whl/megatron_core-0.16.1-*.whl > /dev/null 2>&1; then
 fi
 python3 -c "import verl_ops; assert verl_ops.cuda_available(); print('verl_ops', verl_ops.mla_cache_info()['hopper_forward'])" || exit 1
 
-# The shards: one file of test ids each.
+# The shards: one file of test ids each (the suites collected in parallel).
 rm -rf /tmp/memcheck_shards && mkdir -p /tmp/memcheck_shards
-for entry in $SUITES; do
+collect() {
+  local entry="$1" suite n total i
   suite="${entry%%:*}"; n=1; [ "$entry" != "$suite" ] && n="${entry##*:}"
   python3 -m pytest "tests/test_${suite}.py" -q --collect-only -k "$K" -p no:cacheprovider 2>/dev/null \
     | grep "::" > "/tmp/memcheck_shards/${suite}.ids"
@@ -47,22 +48,33 @@ for entry in $SUITES; do
   done
   rm "/tmp/memcheck_shards/${suite}.ids"
   echo "${suite}: ${total} CUDA tests in ${n} shard(s)"
-done | tee "$OUT/shards.txt"
+}
+export -f collect; export K
+printf '%s\n' $SUITES | xargs -P 16 -I{} bash -c 'collect "$1"' _ {} | sort | tee "$OUT/shards.txt"
 
 one() {
   local shard="$1" name t0 rc
   name=$(basename "$shard")
   t0=$(date +%s)
   [ -s "$shard" ] || { echo "${name}: no tests"; return 0; }
-  local ids; mapfile -t ids < "$shard"
-  timeout "${SHARD_TIMEOUT:-500}" compute-sanitizer --tool memcheck --error-exitcode 9 \
+  local ids suite frac; mapfile -t ids < "$shard"
+  # Each shard's share of the GPU's memory (FRACTION_<suite>, default FRACTION, 0.04): shards run
+  # side by side on one GPU, and torch's caching allocator would otherwise hold what another needs.
+  suite="${name%.*}"; frac="FRACTION_${suite}"; frac="${!frac:-${FRACTION:-0.04}}"
+  VERL_OPS_TEST_CUDA_MEMORY_FRACTION="$frac" timeout "${SHARD_TIMEOUT:-500}" compute-sanitizer --tool memcheck --error-exitcode 9 \
     python3 -m pytest "${ids[@]}" -q -p no:cacheprovider > "$OUT/memcheck_${name}.log" 2>&1; rc=$?
   echo "${name}: rc=${rc} $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_${name}.log" | tail -1) $(tail -1 "$OUT/memcheck_${name}.log" | grep -E 'passed|failed|error') [$(( $(date +%s) - t0 )) s]"
 }
 export -f one; export OUT SHARD_TIMEOUT
 ls /tmp/memcheck_shards/* | xargs -P "${PARALLEL:-8}" -I{} bash -c 'one "$1"' _ {} | sort | tee "$OUT/memcheck.txt"
 # Logs of the shards come back in one file (the tool returns at most 8 files).
-for f in "$OUT"/memcheck_*.log; do echo "==== $f"; grep -E "ERROR SUMMARY|========= (Invalid|Program hit|Error)|passed|failed|FAILED|Timeout" "$f" | head -20; done > "$OUT/memcheck_logs.txt"
+for f in "$OUT"/memcheck_*.log; do
+  echo "==== $f"
+  # the kinds of error reported (first line of each report, addresses and sizes blanked), counted
+  grep -E "^========= [A-Z]" "$f" | grep -v "ERROR SUMMARY" | sed -E 's/0x[0-9a-f]+/X/g; s/[0-9]+ bytes/N bytes/g' | sort | uniq -c | sort -rn | head -15
+  grep -E "ERROR SUMMARY|^(FAILED|ERROR) |passed|failed" "$f" | tail -12
+  grep -m3 -A8 -E "^========= (Invalid|Misaligned|Out-of-range|Uninitialized|Race)" "$f"
+done > "$OUT/memcheck_logs.txt"
 rm -f "$OUT"/memcheck_*.log
 echo "total: $(( $(date +%s) - t0 )) s"
 grep -qv "rc=0 " "$OUT/memcheck.txt" && exit 1
