@@ -15,6 +15,34 @@ import torch
 #: Attribute of ``PackedSeqParams`` that carries the :class:`~verl_ops.ThdLayout` of its micro-batch.
 LAYOUT_ATTR = "verl_ops_layout"
 
+# Attribute of a layout's device offsets tensor: (its version, its host copy, its longest sequence).
+# megatron-core hands its consumers (RoPE, core attention) the offsets tensors of PackedSeqParams,
+# not the PackedSeqParams; the tag lets them read the layout's host values instead of the device.
+_HOST_OFFSETS_ATTR = "_verl_ops_host_offsets"
+
+
+def remember_host_offsets(layout) -> None:
+    """Tag ``layout.cu_seqlens`` and ``layout.cu_seqlens_padded`` with their host copies and longest
+    sequences (for :func:`host_offsets`)."""
+    for device, host, longest in (
+        (layout.cu_seqlens, layout.cu_seqlens_cpu, layout.max_seqlen_unpadded),
+        (layout.cu_seqlens_padded, layout.cu_seqlens_padded_cpu, layout.max_seqlen),
+    ):
+        try:
+            # (a CPU layout's offsets are its host copies: no tag pointing at itself)
+            setattr(device, _HOST_OFFSETS_ATTR, (device._version, None if host is device else host, longest))
+        except (AttributeError, RuntimeError):  # a tensor that takes no attributes: read when needed
+            pass
+
+
+def host_offsets(cu: torch.Tensor):
+    """``(host copy, longest sequence)`` of offsets ``cu`` that a drop-in's layout made (and nothing
+    changed in place since), without reading the device; ``None`` for any other tensor."""
+    tag = getattr(cu, _HOST_OFFSETS_ATTR, None)
+    if tag is None or tag[0] != cu._version:
+        return None
+    return (cu if tag[1] is None else tag[1]), tag[2]
+
 
 # --------------------------------------------------------------------------------------------
 # Lazy megatron-core access (megatron-core is optional: importing an integration never needs it).

@@ -404,15 +404,29 @@ class MLACoreAttention(torch.nn.Module):
         **extra,
     ):
         from .._mla_cp import group_size_rank, longest_sequence, mla_cp_attention
+        from ._common import host_offsets
 
         self._check(attn_mask_type)
         if attention_bias is not None:
             raise NotImplementedError("MLACoreAttention: attention_bias is not supported")
-        unknown = {k: v for k, v in extra.items() if v is not None}
-        if unknown:
-            raise TypeError(f"MLACoreAttention.forward: unexpected arguments {sorted(unknown)}")
+        if extra:
+            unknown = {k: v for k, v in extra.items() if v is not None}
+            if unknown:
+                raise TypeError(f"MLACoreAttention.forward: unexpected arguments {sorted(unknown)}")
         scale = self._scale(query)
         group = _cp_group_of(packed_seq_params, self.pg_collection)
+        # (a group's size never changes: asked of torch.distributed once per group, not per call;
+        # a weak reference, so that the module still deep-copies)
+        known_group = self.__dict__.get("_cp_group_size")
+        if group is None:
+            cp = 1
+        elif known_group is not None and known_group[0]() is group:
+            cp = known_group[1]
+        else:
+            import weakref
+
+            cp = group_size_rank(group)[0]
+            self.__dict__["_cp_group_size"] = (weakref.ref(group), cp)
         thd = packed_seq_params is not None and getattr(packed_seq_params, "qkv_format", None) == "thd"
         if thd:
             if query.dim() == 4 and query.shape[1] == 1:  # [t, 1, n, d]
@@ -431,22 +445,27 @@ class MLACoreAttention(torch.nn.Module):
             ):
                 raise ValueError("MLACoreAttention: self-attention needs the same q and kv offsets")
             max_seqlen = None  # under CP the plan derives its segments from the offsets
-            if group_size_rank(group)[0] == 1:
+            if cp == 1:
                 max_seqlen = getattr(packed_seq_params, "max_seqlen_q", None)
                 if max_seqlen is None or getattr(packed_seq_params, "cu_seqlens_q_padded", None) is not None:
                     # The padded offsets' longest sequence may exceed max_seqlen_q (the real
-                    # lengths'): one host read per offsets tensor, shared by every layer.
-                    max_seqlen = _cached_on(cu, _MAX_ATTR, None, lambda: longest_sequence(cu))
+                    # lengths'): the drop-in's layout knows it; offsets from elsewhere are read
+                    # once per offsets tensor, shared by every layer.
+                    known = host_offsets(cu)
+                    if known is not None:
+                        max_seqlen = known[1]
+                    else:
+                        max_seqlen = _cached_on(cu, _MAX_ATTR, None, lambda: longest_sequence(cu))
                 max_seqlen = int(max_seqlen)
             out = mla_cp_attention(
                 query, key, value, cu, max_seqlen, cp_group=group, cp_layout=self.cp_layout,
-                softmax_scale=scale, backend=self.backend, cp_comm_type=self._comm(self.cp_layout),
+                softmax_scale=scale, backend=self.backend,
+                cp_comm_type=self._comm(self.cp_layout) if cp > 1 else "all_gather",  # (no CP: unused)
             )
             return out.reshape(out.shape[0], -1)
         if query.dim() != 4:
             raise ValueError(f"MLACoreAttention: BSHD query must be [s, b, n, d], got {tuple(query.shape)}")
         s, b, n = query.shape[0], query.shape[1], query.shape[2]
-        cp, _ = group_size_rank(group)
 
         def rows(x):  # [s, b, h, d] -> [b * s, h, d], sequence-major
             return x.transpose(0, 1).reshape(b * s, x.shape[2], x.shape[3])
@@ -619,6 +638,7 @@ def fast_thd_rope(original):
     the per-sequence loop and its host reads in every layer. Calls it does not cover (interleaved
     rotate-half, partial rotary dims, a non-float32 table) go to ``original``."""
     from .._rope import mla_rope, thd_rope_positions
+    from ._common import host_offsets
 
     def apply(t, cu_seqlens, freqs, rotary_interleaved=False, *args, **kwargs):
         names = ("multi_latent_attention", "mscale", "cp_group")  # megatron-core 0.16 order
@@ -644,15 +664,21 @@ def fast_thd_rope(original):
             return original(t, cu_seqlens, freqs, rotary_interleaved, *args, **kwargs)
         cp_size, cp_rank = cp_group.size(), cp_group.rank()
 
-        def index():  # one host read of the offsets per micro-batch, shared by every layer
-            packed = freqs.size(0) == int(cu_seqlens[-1])
-            pos = thd_rope_positions(cu_seqlens, t.shape[0], cp_size, cp_rank, packed)
+        def index():  # once per micro-batch, shared by every layer
+            from ..layout import _to_device
+
+            # The offsets' host values: the drop-in's layout has them (no device read); offsets
+            # from elsewhere are read once.
+            known = host_offsets(cu_seqlens)
+            cu = known[0] if known is not None else cu_seqlens.detach().to("cpu")
+            packed = freqs.size(0) == int(cu[-1])
+            pos = thd_rope_positions(cu, t.shape[0], cp_size, cp_rank, packed)
             if pos is None or (pos.numel() and int(pos.max()) >= freqs.size(0)):
                 return None  # Megatron's own code reports these
-            return pos.to(t.device)
+            return _to_device(pos, t.device)  # (a fresh host tensor: no wait for the copy)
 
         positions = _cached_on(
-            cu_seqlens, _ROPE_POS_ATTR, (t.shape[0], cp_size, cp_rank, freqs.size(0), str(t.device)), index
+            cu_seqlens, _ROPE_POS_ATTR, (t.shape[0], cp_size, cp_rank, freqs.size(0), t.device), index
         )
         if positions is None:
             return original(t, cu_seqlens, freqs, rotary_interleaved, *args, **kwargs)
@@ -661,7 +687,7 @@ def fast_thd_rope(original):
         def tables():
             return ((torch.cos(table) * mscale).to(t.dtype), (torch.sin(table) * mscale).to(t.dtype))
 
-        cos, sin = _cached_on(freqs, _ROPE_TABLE_ATTR, (float(mscale), t.dtype, str(t.device)), tables)
+        cos, sin = _cached_on(freqs, _ROPE_TABLE_ATTR, (float(mscale), t.dtype, t.device), tables)
         return mla_rope(t, cos, sin, positions, interleaved=bool(mla))
 
     apply.__wrapped__ = original

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import weakref
 from dataclasses import fields, is_dataclass
 
 import torch
@@ -62,7 +63,7 @@ from .._thd import postprocess_thd, preprocess_thd
 from .._validate import check_jagged, check_plain, host_values_required, is_meta
 from ..layout import CP_LAYOUTS, ThdLayout, _to_device
 from ..layout import _rules as _layout_rules
-from ._common import LAYOUT_ATTR, _bool_mask, _megatron, _mpu, _verl_rule
+from ._common import LAYOUT_ATTR, _bool_mask, _megatron, _mpu, _verl_rule, remember_host_offsets
 
 # install() / uninstall() and their registry live in verl_ops.integrations.install; re-exported
 # here, where verl_ops has always offered them.
@@ -171,6 +172,47 @@ def _local_shard(op: str, output: torch.Tensor, layout: ThdLayout) -> torch.Tens
 # --------------------------------------------------------------------------------------------
 # Layout reuse / reconstruction.
 
+# Attribute of a nested tensor's offsets tensor: (its version, {rules: weakref to the layout built
+# from it}). The calls of one micro-batch on nested tensors that share the offsets (input ids, the
+# rolled labels and loss mask, the postprocess of the output) then read the offsets on the host once.
+_LAYOUTS_ATTR = "_verl_ops_layouts"
+
+
+def _layout_of_offsets(offsets: torch.Tensor, rules: dict) -> ThdLayout:
+    """The layout of checked nested offsets under ``rules``: the one built earlier from this very
+    offsets tensor (unchanged since) while that layout is alive, else a new one (one host read)."""
+    key = tuple(rules.values())
+    cache = getattr(offsets, _LAYOUTS_ATTR, None)
+    if cache is not None and cache[0] == offsets._version:
+        ref = cache[1].get(key)
+        layout = ref() if ref is not None else None
+        if layout is not None:
+            return layout
+    else:
+        cache = None
+    layout = ThdLayout._from_checked_offsets(offsets, None, rules)
+    remember_host_offsets(layout)
+    # (a weak reference: the layout holds the offsets, which would otherwise hold it in a cycle;
+    # the caller keeps it alive through the PackedSeqParams it returns)
+    refs = {} if cache is None else {k: r for k, r in cache[1].items() if r() is not None}
+    refs[key] = weakref.ref(layout)
+    try:
+        setattr(offsets, _LAYOUTS_ATTR, (offsets._version, refs))
+    except (AttributeError, RuntimeError):  # a tensor that takes no attributes: built per call
+        pass
+    return layout
+
+
+def _built_from(layout: ThdLayout, offsets: torch.Tensor) -> bool:
+    """Whether ``layout`` was built from this very offsets tensor, unchanged since: then its host
+    offsets are the offsets' values, known without reading the device."""
+    if layout.source_offsets is not offsets:
+        return False
+    cache = getattr(offsets, _LAYOUTS_ATTR, None)
+    if cache is None or cache[0] != offsets._version:
+        return False
+    return any(r() is layout for r in cache[1].values())
+
 
 def _layout_from_padded_offsets(
     op: str, lengths, cu_seqlens_padded: torch.Tensor, *, tp_size: int, cp_size: int, cp_layout: str
@@ -246,6 +288,7 @@ def preprocess_packed_seqs(
         fp8_padding=bool(use_fp8_padding),
         device=input_ids.device,
     )
+    remember_host_offsets(layout)
     packed_seq_params = _make_packed_seq_params(layout, _cp_partition_args("zigzag", cp_size))
     if not pre_process:
         return input_ids, packed_seq_params
@@ -440,11 +483,13 @@ def preprocess_thd_engine(
         raise ValueError("pad_to_length_bucket must be a positive integer")
     psp_cls = _packed_seq_params_cls()
     extra.update(_cp_partition_args(cp_layout, cp_size, psp_cls))
-    # One host read of the offsets; the layout op checks them and computes every size at once.
-    # (input_ids and its offsets were checked above: ThdLayout.from_nested without its checks.)
-    layout = ThdLayout._from_checked_offsets(
-        offsets, None, _layout_rules("ThdLayout.from_lengths", tp_size, cp_size, cp_layout, bool(use_fp8_padding),
-                                     min_local_rows, pad_to_length_bucket)
+    # One host read of the offsets per offsets tensor (the micro-batch's later calls on nested
+    # tensors with the same offsets reuse the layout); the layout op checks them and computes every
+    # size at once. (input_ids and its offsets were checked above: ThdLayout.from_nested without
+    # its checks.)
+    layout = _layout_of_offsets(
+        offsets, _layout_rules("ThdLayout.from_lengths", tp_size, cp_size, cp_layout, bool(use_fp8_padding),
+                               min_local_rows, pad_to_length_bucket)
     )
     packed_seq_params = _make_packed_seq_params(layout, extra, psp_cls)
     if not pre_process:
@@ -509,7 +554,9 @@ def postprocess_thd_engine(
             raise host_values_required(
                 op, "input_ids", "offsets", "pass the packed_seq_params of the preprocess call (with its layout)"
             )
-    else:
+    elif layout is None or not _built_from(layout, offsets):
+        # Offsets the layout was not built from (or changed since): read, and checked against it.
+        # (the preprocess call's own input needs neither: its layout's host offsets are its values)
         offsets_cpu = offsets.detach().to("cpu", torch.int64)
         if layout is not None and not torch.equal(offsets_cpu, layout.cu_seqlens_cpu.to(torch.int64)):
             raise ValueError(f"{op}: input_ids' offsets do not match the packed_seq_params' layout")
