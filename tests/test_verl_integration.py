@@ -621,7 +621,9 @@ def test_import_without_megatron_or_verl():
 
 
 def test_install_without_verl(monkeypatch):
-    monkeypatch.setitem(sys.modules, "verl", None)
+    # (verl's modules an earlier test imported, where verl is installed, are made unimportable too)
+    for name in [n for n in sys.modules if n == "verl" or n.startswith("verl.")] + ["verl"]:
+        monkeypatch.setitem(sys.modules, name, None)
     assert vi.install() == []
     with pytest.raises(ImportError):
         vi.install(strict=True)
