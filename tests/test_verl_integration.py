@@ -648,15 +648,20 @@ def _fake_verl(monkeypatch):
     ):
         raise AssertionError("verl original called")  # a parameter we do not support
 
-    mods = {}
-    for name in (
+    names = (
         "verl",
         "verl.models",
         "verl.models.mcore",
         "verl.models.mcore.util",
         "verl.models.mcore.model_forward",
         "verl.utils.megatron.router_replay_utils",
-    ):
+    )
+    # The fake verl has no other module: the real verl's (installed with its dependencies, as in
+    # CI, and imported by earlier tests) are made unimportable.
+    for name in [n for n in sys.modules if n.startswith("verl.") and n not in names] + ["verl.utils.dynamic_cp_scheduler"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    mods = {}
+    for name in names:
         mods[name] = types.ModuleType(name)
         monkeypatch.setitem(sys.modules, name, mods[name])
     util = mods["verl.models.mcore.util"]
