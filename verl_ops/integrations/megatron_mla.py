@@ -488,73 +488,24 @@ def _is_mla_submodules(obj) -> bool:
     return all(hasattr(obj, f) for f in ("core_attention", "linear_kv_down_proj", "linear_kv_up_proj"))
 
 
-def use_in_spec(spec, *, cp_layout: str = "zigzag", backend: str = "auto") -> int:
-    """Put :class:`MLACoreAttention` into the ``core_attention`` slot of every MLA self-attention
-    reachable from ``spec`` (a layer spec, a ``TransformerBlockSubmodules``, an MTP block spec,
-    or lists of them). Returns how many slots were set (0: no MLA in the spec)."""
+def _core_attention_entry(cp_layout: str, backend: str):
+    """What goes into an MLA ``core_attention`` slot: the class, or a ModuleSpec with its options."""
+    if (cp_layout, backend) == ("zigzag", "auto"):
+        return MLACoreAttention
+    # Megatron builds a slot from a class or a ModuleSpec (whose params become keyword arguments),
+    # not from any callable.
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=MLACoreAttention, params={"cp_layout": cp_layout, "backend": backend})
+
+
+def _mla_slots(spec):
+    """Every MLA self-attention submodules object reachable from ``spec`` (a layer spec, a
+    ``TransformerBlockSubmodules``, an MTP block spec, or lists of them), once each, with the
+    ``attn_mask_type`` of the self-attention ModuleSpec that holds it (None where unknown)."""
     import dataclasses
 
-    core = MLACoreAttention
-    if (cp_layout, backend) != ("zigzag", "auto"):
-        # Megatron builds a slot from a class or a ModuleSpec (whose params become keyword
-        # arguments), not from any callable.
-        from megatron.core.transformer.spec_utils import ModuleSpec
-
-        core = ModuleSpec(module=MLACoreAttention, params={"cp_layout": cp_layout, "backend": backend})
-    seen, count = set(), 0
-
-    def walk(obj):
-        nonlocal count
-        if obj is None or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type)):
-            return
-        seen.add(id(obj))
-        if isinstance(obj, (list, tuple)):
-            for item in obj:
-                walk(item)
-            return
-        if not dataclasses.is_dataclass(obj):
-            return
-        if _is_mla_submodules(obj):
-            obj.core_attention = core
-            count += 1
-        for f in dataclasses.fields(obj):
-            walk(getattr(obj, f.name, None))
-
-    walk(spec)
-    return count
-
-
-def place_in_spec(spec, config, *, cp_layout: str = "zigzag", backend: str = "auto") -> dict:
-    """Put :class:`MLACoreAttention` into the MLA core-attention slots of ``spec`` whose layer
-    :func:`unsupported_reason` accepts (with ``config``, and the ``attn_mask_type`` of the MLA
-    self-attention spec that holds the slot); other MLA layers keep their attention. Changes
-    ``spec`` in place. TransformerEngine's specs are included (``TEDotProductAttention`` is
-    replaced like Megatron's ``DotProductAttention``).
-
-    Returns ``{"placed": n, "kept": {reason: n}, "replaced": {class name: n}}``."""
-    import dataclasses
-
-    core = MLACoreAttention
-    if (cp_layout, backend) != ("zigzag", "auto"):
-        from megatron.core.transformer.spec_utils import ModuleSpec
-
-        core = ModuleSpec(module=MLACoreAttention, params={"cp_layout": cp_layout, "backend": backend})
-    report = {"placed": 0, "kept": {}, "replaced": {}}
-    seen = set()
-
-    def visit(submodules, mask_type):
-        current = submodules.core_attention
-        if current is core or current is MLACoreAttention or getattr(current, "module", None) is MLACoreAttention:
-            report["placed"] += 1
-            return
-        reason = unsupported_reason(config, mask_type)
-        if reason is not None:
-            report["kept"][reason] = report["kept"].get(reason, 0) + 1
-            return
-        name = getattr(getattr(current, "module", current), "__name__", type(current).__name__)
-        report["replaced"][name] = report["replaced"].get(name, 0) + 1
-        submodules.core_attention = core
-        report["placed"] += 1
+    seen, found = set(), []
 
     def walk(obj, mask_type=None):
         if obj is None or id(obj) in seen or isinstance(obj, (str, bytes, int, float, bool, type)):
@@ -571,11 +522,48 @@ def place_in_spec(spec, config, *, cp_layout: str = "zigzag", backend: str = "au
         if sub is not None and _is_mla_submodules(sub) and isinstance(params, dict):
             mask_type = params.get("attn_mask_type", mask_type)
         if _is_mla_submodules(obj):
-            visit(obj, mask_type)
+            found.append((obj, mask_type))
         for f in dataclasses.fields(obj):
             walk(getattr(obj, f.name, None), mask_type if f.name == "submodules" else None)
 
     walk(spec)
+    return found
+
+
+def use_in_spec(spec, *, cp_layout: str = "zigzag", backend: str = "auto") -> int:
+    """Put :class:`MLACoreAttention` into the ``core_attention`` slot of every MLA self-attention
+    reachable from ``spec`` (a layer spec, a ``TransformerBlockSubmodules``, an MTP block spec,
+    or lists of them). Returns how many slots were set (0: no MLA in the spec)."""
+    core = _core_attention_entry(cp_layout, backend)
+    slots = _mla_slots(spec)
+    for submodules, _ in slots:
+        submodules.core_attention = core
+    return len(slots)
+
+
+def place_in_spec(spec, config, *, cp_layout: str = "zigzag", backend: str = "auto") -> dict:
+    """Put :class:`MLACoreAttention` into the MLA core-attention slots of ``spec`` whose layer
+    :func:`unsupported_reason` accepts (with ``config``, and the ``attn_mask_type`` of the MLA
+    self-attention spec that holds the slot); other MLA layers keep their attention. Changes
+    ``spec`` in place. TransformerEngine's specs are included (``TEDotProductAttention`` is
+    replaced like Megatron's ``DotProductAttention``).
+
+    Returns ``{"placed": n, "kept": {reason: n}, "replaced": {class name: n}}``."""
+    core = _core_attention_entry(cp_layout, backend)
+    report = {"placed": 0, "kept": {}, "replaced": {}}
+    for submodules, mask_type in _mla_slots(spec):
+        current = submodules.core_attention
+        if current is core or current is MLACoreAttention or getattr(current, "module", None) is MLACoreAttention:
+            report["placed"] += 1
+            continue
+        reason = unsupported_reason(config, mask_type)
+        if reason is not None:
+            report["kept"][reason] = report["kept"].get(reason, 0) + 1
+            continue
+        name = getattr(getattr(current, "module", current), "__name__", type(current).__name__)
+        report["replaced"][name] = report["replaced"].get(name, 0) + 1
+        submodules.core_attention = core
+        report["placed"] += 1
     return report
 
 
