@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import sys
 import types
 
 import verl_ops_plugin as _plugin
@@ -45,13 +44,12 @@ def patch_data_path(owner: str) -> dict:
     from .install import install
 
     result = install(report=True, owners={owner})
-    rep = _plugin._state["report"].setdefault("data", {"patched": [], "left alone": []})
-    rep["patched"] += result["patched"]
-    rep["left alone"] += [f"{n} (not in this verl)" for n in result["missing"]]
-    rep["left alone"] += [f"{n} (other parameters)" for n in result["incompatible"]]
-    short = sorted({p.rsplit(".", 1)[1] for p in result["patched"]})
     left = [f"{n} (not in this verl)" for n in result["missing"]]
     left += [f"{n} (other parameters)" for n in result["incompatible"]]
+    rep = _plugin._state["report"].setdefault("data", {"patched": [], "left alone": []})
+    rep["patched"] += result["patched"]
+    rep["left alone"] += left
+    short = sorted({p.rsplit(".", 1)[1] for p in result["patched"]})
     _plugin.info_once(
         "data",
         f"verl {_plugin._verl_version()}: {owner}: {len(short)} drop-ins in place ({_names(short)}), "
@@ -223,17 +221,3 @@ def _report_model(model, spec_report: dict, version: str) -> None:
         f"{type(model).__name__} (MTP included; spec slots replaced: {replaced}); "
         f"kept their attention: {_names(kept) if kept or not kept_classes else _names(sorted(kept_classes))}",
     )
-
-
-def is_active() -> dict:
-    """Which parts of the plugin are in place in this process (for tests and reports)."""
-    out = {"data": False, "mla": False}
-    util = sys.modules.get("verl.models.mcore.util")
-    if util is not None:
-        from .verl import preprocess_packed_seqs
-
-        out["data"] = getattr(util, "preprocess_packed_seqs", None) is preprocess_packed_seqs
-    gpt = sys.modules.get(_plugin.GPT_MODEL_MODULE)
-    if gpt is not None and hasattr(gpt, "GPTModel"):
-        out["mla"] = bool(getattr(gpt.GPTModel.__init__, _INIT_ATTR, False))
-    return out
