@@ -5,6 +5,7 @@
 // (as aten's `int reduction`): cp_layout 0 = zigzag, 1 = contiguous; backend 0 = auto,
 // 1 = padded, 2 = native, 3 = varlen. The Python API takes the names. Fake (Meta) kernels and autograd are
 // registered from Python (verl_ops/_fake.py and the op modules).
+#include "mla/mla_latent_ops.h"
 #include "mla/mla_ops.h"
 #include "ops/jagged_ops.h"
 #include "ops/merge_ops.h"
@@ -100,6 +101,26 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
       "mla_rope(Tensor x, Tensor cos, Tensor sin, Tensor positions, bool interleaved=True, "
       "bool backward=False) -> Tensor");
   // --- end mla_rope ---
+
+  // --- mla_latent_forward / mla_latent_backward (docs/mla.md#latent-parts) ---
+  // MLA attention on its operands in parts: q = [q | q_pe] (q [Tq, Hq, 128], q_pe [Tq, Hq, 64]),
+  // k = [k | k_pe] (k [Tk, Hk, 128], k_pe [Tk, 1, 64] shared by every kv head, or [Tk, Hk, 64]),
+  // v [Tk, Hk, 128]; any strides with inner stride 1. The same attention as mla_forward_padded on
+  // the concatenated operands (causal is bottom-right aligned where q and kv have their own
+  // offsets). softmax_lse float32 [Hq, Tq]. The backward's gradients come in the layouts Megatron's
+  // MultiLatentAttention makes q and kv in: grad_q [Tq, Hq, 192] = [d q | d q_pe], grad_kv
+  // [Tk, Hk, 256] = [d k | d v], and grad_k_pe [Tk, Hk, 64] per kv head (summed by the caller where
+  // k_pe is shared). CUDA: the SM90 kernels (Hopper); CPU: the concatenated reference (Python).
+  m.def(
+      "mla_latent_forward(Tensor q, Tensor q_pe, Tensor k, Tensor k_pe, Tensor v, Tensor cu_seqlens_q, "
+      "Tensor cu_seqlens_kv, SymInt max_seqlen_q, SymInt max_seqlen_kv, bool causal=True, "
+      "float? softmax_scale=None) -> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "mla_latent_backward(Tensor grad_out, Tensor q, Tensor q_pe, Tensor k, Tensor k_pe, Tensor v, "
+      "Tensor out, Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None) "
+      "-> (Tensor grad_q, Tensor grad_kv, Tensor grad_k_pe)");
+  // --- end mla_latent ---
 }
 
 STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
@@ -138,5 +159,7 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   // mla_cache_info reads host counters: on CUDA it only reports that `like` must be a CPU tensor.
   m.impl("mla_cache_info", VERL_BOX(&verl_ops::ops::mla_cache_info));
   m.impl("mla_rope", VERL_BOX(&verl_ops::ops::mla_rope_cuda));
+  m.impl("mla_latent_forward", VERL_BOX(&verl_ops::ops::mla_latent_forward_cuda));
+  m.impl("mla_latent_backward", VERL_BOX(&verl_ops::ops::mla_latent_backward_cuda));
 }
 #endif

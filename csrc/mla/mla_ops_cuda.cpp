@@ -431,9 +431,7 @@ Sm90Inputs sm90_inputs(Args& a, const Tensor& q, const Tensor& k, const Tensor& 
                 st::contiguous(cu_seqlens_kv), st::empty(q, {workspace_ints}, st::kInt)};
   const bool self_attention = shares_offsets(cu_seqlens_q, cu_seqlens_kv) && s.tq == s.tk &&
                               max_seqlen_q == max_seqlen_kv;
-  a.q = in.q.data_ptr();
-  a.k = in.k.data_ptr();
-  a.v = in.v.data_ptr();
+  a.in = cuda::sm90_dense_parts(in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(), s.hq, s.hk);
   a.cu_q = st::ptr<int32_t>(in.cu_q);
   a.cu_kv = st::ptr<int32_t>(in.cu_kv);
   a.workspace = st::ptr<int32_t>(in.workspace);
@@ -525,8 +523,9 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(
     a.lse_row_stride = 1;
     a.lse_head_stride = s.tq;
     a.dq = dq.data_ptr();
-    a.dk = dk.data_ptr();
-    a.dv = dv.data_ptr();
+    a.dk = {dk.data_ptr(), s.hk * s.dqk, s.dqk};
+    a.dk_pe = {static_cast<char*>(dk.data_ptr()) + 128 * 2, s.hk * s.dqk, s.dqk};
+    a.dv = {dv.data_ptr(), s.hk * s.dv, s.dv};
     a.dq_accum = st::ptr<float>(accum);
     a.lse_d = reinterpret_cast<float2*>(st::ptr<float>(lse_d));
     st::check_launch(op, cuda::launch_sm90_backward(a, st::current_stream(q)));

@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
   CK(cudaMemset(o, 0xFF, (size_t)T * hq * 128 * 2)); CK(cudaMemset(lse, 0, (size_t)T * hq * 4));
   float scale = 1.0f / sqrtf(192.f);
   int* ord = nullptr; CK(cudaMalloc(&ord, (2 * batch + 2) * 4));
-  verl_ops::cuda::Sm90FwdArgs a{q, k, v, o, lse, dcu, dcu, ord, batch, T, T, hq, hk, maxlen, scale, (bool)causal, true, false};
+  verl_ops::cuda::Sm90FwdArgs a{verl_ops::cuda::sm90_dense_parts(q, k, v, hq, hk), o, lse, dcu, dcu, ord, batch, T, T, hq, hk, maxlen, scale, (bool)causal, true, false};
   CK(verl_ops::cuda::launch_sm90_forward(a, 0));
   CK(cudaDeviceSynchronize());
   print_lens(bt); printf("  T=%d H=%d causal=%d\n", T, hq, causal);

@@ -131,9 +131,11 @@ int main(int argc, char** argv) {
   CK(cudaMemset(dq, 0xFF, (size_t)T * hq * 192 * 2)); CK(cudaMemset(dk, 0xFF, (size_t)T * hk * 192 * 2));
   CK(cudaMemset(dv, 0xFF, (size_t)T * hk * 128 * 2));
   float scale = 1.0f / sqrtf(192.f);
-  verl_ops::cuda::Sm90FwdArgs fa{q, k, v, o, lse, dcu, dcu, ws, batch, T, T, hq, hk, maxlen, scale, (bool)causal, true, false};
+  verl_ops::cuda::Sm90FwdArgs fa{verl_ops::cuda::sm90_dense_parts(q, k, v, hq, hk), o, lse, dcu, dcu, ws, batch, T, T, hq, hk, maxlen, scale, (bool)causal, true, false};
   CK(verl_ops::cuda::launch_sm90_forward(fa, 0));
-  verl_ops::cuda::Sm90BwdArgs ba{q, k, v, o, dout, lse, dq, dk, dv, dcu, dcu, ws, acc, lse_d, hq, 1,
+  verl_ops::cuda::Sm90BwdArgs ba{verl_ops::cuda::sm90_dense_parts(q, k, v, hq, hk), o, dout, lse, dq,
+                                 {dk, (int64_t)hk * 192, 192}, {(char*)dk + 256, (int64_t)hk * 192, 192},
+                                 {dv, (int64_t)hk * 128, 128}, dcu, dcu, ws, acc, lse_d, hq, 1,
                                  batch, T, T, hq, hk, scale, (bool)causal, true, false};
   CK(verl_ops::cuda::launch_sm90_backward(ba, 0));
   CK(cudaDeviceSynchronize());

@@ -1,5 +1,5 @@
 // The backward's epilogue: dK * scale and dV of the keys inside the sequence (zeros where no query
-// sees a key), [Tk, Hk, 192] and [Tk, Hk, 128].
+// sees a key): dK's first 128 columns, its last 64 and dV, each to its own strided rows (Params).
 //
 // Through shared memory, as the forward's epilogue (+0-6% on the backward, most on short
 // sequences; RESULTS.md), so that whole rows (384 bytes of dK, 256 of dV) are stored in 16-byte
@@ -52,21 +52,25 @@ __device__ __forceinline__ void store_dk_dv(const Params& p, const Smem& smem, c
                 pack2<kHalf>(dv[4 * cc + 2 * r], dv[4 * cc + 2 * r + 1]));
     }
     named_barrier_sync<128>(barrier_id(BwdBarrier::kEpilogue0) + wg);
-    // The warpgroup's 64 staged rows of kChunks 16-byte chunks at stage, to the key rows of dst.
-    auto store_rows = [&](auto chunks, uint32_t stage, void* dst) {
+    // The warpgroup's 64 staged rows of kChunks 16-byte chunks at stage, to the key rows of the
+    // destination at_of(key row, chunk) returns.
+    auto store_rows = [&](auto chunks, uint32_t stage, auto at_of) {
       constexpr int kChunks = decltype(chunks)::value, kRowBytes = kChunks * 16;
-      uint8_t* bytes = static_cast<uint8_t*>(dst);
 #pragma unroll
       for (int i = 0; i < 64 * kChunks / 128; ++i) {
         const int id = i * 128 + t, row = id / kChunks, ch = id % kChunks;
         const uint4 v = lds_v4(stage + row * kRowBytes + ((ch ^ (row & 7)) << 4));
-        if (kw0 + row < lk)
-          *reinterpret_cast<uint4*>(bytes + ((k_start + kw0 + row) * static_cast<int64_t>(p.hk) + kvh) * kRowBytes +
-                                    ch * 16) = v;
+        if (kw0 + row < lk) *reinterpret_cast<uint4*>(at_of(static_cast<int64_t>(k_start + kw0 + row), ch)) = v;
       }
     };
-    store_rows(std::integral_constant<int, kDkRow / 16>{}, sk, p.dk);  // 12 chunks of dK per thread
-    store_rows(std::integral_constant<int, kDvRow / 16>{}, sv, p.dv);  // 8 of dV
+    // 12 chunks of dK per thread: the first 16 of a row to dk, the last 8 to dk_pe.
+    store_rows(std::integral_constant<int, kDkRow / 16>{}, sk, [&](int64_t key, int ch) {
+      return ch < 16 ? static_cast<uint8_t*>(p.dk) + key * p.dk_rs + kvh * p.dk_hs + ch * 16
+                     : static_cast<uint8_t*>(p.dk_pe) + key * p.dkp_rs + kvh * p.dkp_hs + (ch - 16) * 16;
+    });
+    store_rows(std::integral_constant<int, kDvRow / 16>{}, sv, [&](int64_t key, int ch) {  // 8 of dV
+      return static_cast<uint8_t*>(p.dv) + key * p.dv_rs + kvh * p.dv_hs + ch * 16;
+    });
   }
 }
 

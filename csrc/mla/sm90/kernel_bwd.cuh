@@ -21,7 +21,8 @@ namespace bwd {
 
 template <bool kHalf>
 __global__ void __launch_bounds__(kThreads, 1)
-    mla_sm90_bwd_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+    mla_sm90_bwd_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tqp,
+                        const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tkp,
                         const __grid_constant__ CUtensorMap tv, const __grid_constant__ CUtensorMap tdo,
                         const Params p) {
 #if defined(VERL_OPS_SM90A)
@@ -53,7 +54,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     // 24 + 2 x 240 = 3 x 168, the registers per thread the CTA was launched with: a larger sum
     // would leave setmaxnreg.inc waiting forever.
     setmaxnreg_dec<24>();
-    load(tq, tk, tv, tdo, p, smem, w);
+    load(tq, tqp, tk, tkp, tv, tdo, p, smem, w);
     return;
   }
 

@@ -21,7 +21,8 @@ namespace fwd {
 
 template <bool kHalf>
 __global__ void __launch_bounds__(kThreads, 1)
-    mla_sm90_fwd_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tk,
+    mla_sm90_fwd_kernel(const __grid_constant__ CUtensorMap tq, const __grid_constant__ CUtensorMap tqp,
+                        const __grid_constant__ CUtensorMap tk, const __grid_constant__ CUtensorMap tkp,
                         const __grid_constant__ CUtensorMap tv, const Params p) {
 #if defined(VERL_OPS_SM90A)
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -63,7 +64,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         scheduler.publish(iter, tile, total, ti);
         if (tile >= total) break;
         SM90_TRACE(0, iter, 0, clock64());
-        load_tile(tq, tk, tv, p, smem, ti, kv_it, q_it, iter);
+        load_tile(tq, tqp, tk, tkp, tv, p, smem, ti, kv_it, q_it, iter);
         SM90_TRACE(0, iter, 2, clock64());
         SM90_TRACE(0, iter, 7, ti.n_blocks);
         tile = scheduler.next_tile();

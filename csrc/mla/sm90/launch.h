@@ -12,6 +12,7 @@
 #include <cstring>
 #include <mutex>
 
+#include "mla_sm90_fwd.h"
 #include "tile_scheduler.cuh"
 
 namespace verl_ops {
@@ -43,21 +44,30 @@ PFN_cuTensorMapEncodeTiled_v12000 encode_fn() {
   return fn;
 }
 
-// [rows, heads, d] rows as a 3-D map (d, heads, rows), a box of 64 columns x 1 head x box_rows,
-// 128-byte swizzle (the wgmma operand layout).
-bool make_map(CUtensorMap* map, const void* ptr, int64_t rows, int64_t heads, int64_t d,
-              int box_rows, bool half) {
+// Rows of one operand part (Sm90Rows: [rows, heads, d], strided) as a 3-D map (d, heads, rows), a
+// box of 64 columns x 1 head x box_rows, 128-byte swizzle (the wgmma operand layout).
+bool make_map(CUtensorMap* map, const Sm90Rows& r, int64_t rows, int64_t d, int box_rows, bool half) {
   auto fn = encode_fn();
   if (fn == nullptr) return false;
-  cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(heads),
+  // A single head's stride is never stepped over; any valid one does.
+  const int64_t head_stride = r.heads == 1 ? d : r.head_stride;
+  cuuint64_t dims[3] = {static_cast<cuuint64_t>(d), static_cast<cuuint64_t>(r.heads),
                         static_cast<cuuint64_t>(rows)};
-  cuuint64_t strides[2] = {static_cast<cuuint64_t>(d * 2), static_cast<cuuint64_t>(heads * d * 2)};
+  cuuint64_t strides[2] = {static_cast<cuuint64_t>(head_stride * 2), static_cast<cuuint64_t>(r.row_stride * 2)};
   cuuint32_t box[3] = {64, 1, static_cast<cuuint32_t>(box_rows)};
   cuuint32_t elem[3] = {1, 1, 1};
   return fn(map, half ? CU_TENSOR_MAP_DATA_TYPE_FLOAT16 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3,
-            const_cast<void*>(ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
+            const_cast<void*>(r.ptr), dims, strides, box, elem, CU_TENSOR_MAP_INTERLEAVE_NONE,
             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The five parts' maps (q, q_pe with box_q rows; k, k_pe, v with box_k rows), in that order.
+bool make_part_maps(CUtensorMap (&m)[5], const Sm90Parts& p, int64_t tq, int64_t tk, int box_q, int box_k,
+                    bool half) {
+  return make_map(&m[0], p.q, tq, 128, box_q, half) && make_map(&m[1], p.q_pe, tq, 64, box_q, half) &&
+         make_map(&m[2], p.k, tk, 128, box_k, half) && make_map(&m[3], p.k_pe, tk, 64, box_k, half) &&
+         make_map(&m[4], p.v, tk, 128, box_k, half);
 }
 
 // Whether the SM90 kernels can run on `device`: compute capability 9.0 and the driver's

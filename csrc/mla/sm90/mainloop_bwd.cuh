@@ -38,9 +38,11 @@ namespace bwd {
 
 // Producer (warp 0 of warpgroup 0; nothing to do when the block sees no query): lane 0 issues the
 // TMA loads, every lane writes two rows of lse2 / D per query block.
-__device__ __forceinline__ void load(const CUtensorMap& tq, const CUtensorMap& tk, const CUtensorMap& tv,
-                                     const CUtensorMap& tdo, const Params& p, const Smem& smem,
-                                     const Tile& w) {
+// The maps: q's first 128 columns (tq) and last 64 (tqp), likewise k (tk, tkp: one head for every kv
+// head where p.k_pe_shared), v, dO.
+__device__ __forceinline__ void load(const CUtensorMap& tq, const CUtensorMap& tqp, const CUtensorMap& tk,
+                                     const CUtensorMap& tkp, const CUtensorMap& tv, const CUtensorMap& tdo,
+                                     const Params& p, const Smem& smem, const Tile& w) {
   const int lq = w.lq, q_start = w.q_start, k_start = w.k_start, kvh = w.kvh, key0 = w.key0;
   const int m_begin = w.m_begin, nblk = w.nblk, group = w.group, blocks = w.blocks;
   if (threadIdx.x < 32 && blocks > 0) {
@@ -49,8 +51,9 @@ __device__ __forceinline__ void load(const CUtensorMap& tq, const CUtensorMap& t
     if (lane == 0) {
       mbar_expect_tx(smem.kv_full(), kKBytes + kVBytes);
 #pragma unroll
-      for (int c = 0; c < kDqk / 64; ++c)
+      for (int c = 0; c < 2; ++c)
         tma_load_3d(smem.k() + c * kBN * 128, &tk, c * 64, kvh, k_row, smem.kv_full());
+      tma_load_3d(smem.k() + 2 * kBN * 128, &tkp, 0, p.k_pe_shared ? 0 : kvh, k_row, smem.kv_full());
 #pragma unroll
       for (int c = 0; c < kDv / 64; ++c)
         tma_load_3d(smem.v() + c * kBN * 128, &tv, c * 64, kvh, k_row, smem.kv_full());
@@ -65,8 +68,9 @@ __device__ __forceinline__ void load(const CUtensorMap& tq, const CUtensorMap& t
       if (lane == 0) {
         mbar_expect_tx(smem.full(s), kQBytes + kOBytes);
 #pragma unroll
-        for (int c = 0; c < kDqk / 64; ++c)
+        for (int c = 0; c < 2; ++c)
           tma_load_3d(smem.q(s) + c * kBM * 128, &tq, c * 64, h, q_row, smem.full(s));
+        tma_load_3d(smem.q(s) + 2 * kBM * 128, &tqp, 0, h, q_row, smem.full(s));
 #pragma unroll
         for (int c = 0; c < kDv / 64; ++c)
           tma_load_3d(smem.dout(s) + c * kBM * 128, &tdo, c * 64, h, q_row,

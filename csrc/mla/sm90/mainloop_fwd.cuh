@@ -43,9 +43,12 @@ namespace fwd {
 // then each of its n_blocks key tiles, the last first (the highest keys see the most rows under a
 // causal mask). kv_it / q_it count the K-V stages / Q buffers used so far (the ring positions and
 // phases).
-__device__ __forceinline__ void load_tile(const CUtensorMap& tq, const CUtensorMap& tk,
-                                          const CUtensorMap& tv, const Params& p, const Smem& smem,
-                                          const TileInfo& ti, int& kv_it, int& q_it, int iter) {
+// The maps: q's first 128 columns (tq) and last 64 (tqp), likewise k (tk, tkp: one head for every kv
+// head where p.k_pe_shared), v.
+__device__ __forceinline__ void load_tile(const CUtensorMap& tq, const CUtensorMap& tqp, const CUtensorMap& tk,
+                                          const CUtensorMap& tkp, const CUtensorMap& tv, const Params& p,
+                                          const Smem& smem, const TileInfo& ti, int& kv_it, int& q_it,
+                                          int iter) {
   (void)iter;
   // Where a tile's boxes start: its Q rows, its key tile `it` (the last first), its kv head.
   auto q_row_of = [&](const TileInfo& x) { return static_cast<int>(x.q_start) + x.m_block * kBM; };
@@ -60,9 +63,11 @@ __device__ __forceinline__ void load_tile(const CUtensorMap& tq, const CUtensorM
     const int q_row = q_row_of(ti);
     mbar_expect_tx(smem.q_full(), kQBytes);
 #pragma unroll
-    for (int c = 0; c < kDqk / 64; ++c)
+    for (int c = 0; c < 2; ++c)
       tma_load_3d(smem.q() + c * kBM * 128, &tq, c * 64, ti.h, q_row, smem.q_full());
+    tma_load_3d(smem.q() + 2 * kBM * 128, &tqp, 0, ti.h, q_row, smem.q_full());
     const int hk = kv_head_of(ti);
+    const int hkp = p.k_pe_shared ? 0 : hk;
     for (int it = 0; it < ti.n_blocks; ++it, ++kv_it) {
       const int s = kv_it % kStages;
       const uint32_t phase = (kv_it / kStages) & 1;
@@ -70,8 +75,9 @@ __device__ __forceinline__ void load_tile(const CUtensorMap& tq, const CUtensorM
       mbar_wait(smem.k_empty(s), phase ^ 1);
       mbar_expect_tx(smem.k_full(s), kKBytes);
 #pragma unroll
-      for (int c = 0; c < kDqk / 64; ++c)
+      for (int c = 0; c < 2; ++c)
         tma_load_3d(smem.k(s) + c * kBN * 128, &tk, c * 64, hk, k_row, smem.k_full(s));
+      tma_load_3d(smem.k(s) + 2 * kBN * 128, &tkp, 0, hkp, k_row, smem.k_full(s));
       mbar_wait(smem.v_empty(s), phase ^ 1);
       mbar_expect_tx(smem.v_full(s), kVBytes);
 #pragma unroll

@@ -54,11 +54,10 @@ namespace {
 
 template <bool kHalf>
 cudaError_t launch_bwd(const Sm90BwdArgs& a, bwd::Params& p, cudaStream_t stream) {
-  CUtensorMap mq, mk, mv, mdo;
-  if (!make_map(&mq, a.q, a.tq, a.hq, kDqk, bwd::kBM, kHalf) ||
-      !make_map(&mk, a.k, a.tk, a.hk, kDqk, bwd::kBN, kHalf) ||
-      !make_map(&mv, a.v, a.tk, a.hk, kDv, bwd::kBN, kHalf) ||
-      !make_map(&mdo, a.dout, a.tq, a.hq, kDv, bwd::kBM, kHalf))
+  CUtensorMap m[5], mdo;
+  const Sm90Rows dout{a.dout, a.hq * kDv, kDv, a.hq};
+  if (!make_part_maps(m, a.in, a.tq, a.tk, bwd::kBM, bwd::kBN, kHalf) ||
+      !make_map(&mdo, dout, a.tq, kDv, bwd::kBM, kHalf))
     return cudaErrorInvalidValue;
   cudaError_t err = cudaMemsetAsync(a.dq_accum, 0, sizeof(float) * a.tq * a.hq * kDqk, stream);
   if (err != cudaSuccess) return err;
@@ -75,7 +74,8 @@ cudaError_t launch_bwd(const Sm90BwdArgs& a, bwd::Params& p, cudaStream_t stream
   // A CTA per (sequence, kv head, key block): at most hk * (tk / kBN + batch); the ones past the
   // schedule's total return at once.
   const int64_t ctas = a.hk * ((a.tk + bwd::kBN - 1) / bwd::kBN + a.batch);
-  kernel<<<static_cast<unsigned>(ctas), bwd::kThreads, bwd::kSmemBytes, stream>>>(mq, mk, mv, mdo, p);
+  kernel<<<static_cast<unsigned>(ctas), bwd::kThreads, bwd::kSmemBytes, stream>>>(m[0], m[1], m[2], m[3], m[4],
+                                                                                  mdo, p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   const int64_t n4 = a.tq * a.hq * kDqk / 4;
@@ -105,17 +105,31 @@ cudaError_t launch_sm90_backward(const Sm90BwdArgs& a, cudaStream_t stream) {
     const size_t elem = 2;
     cudaError_t err = cudaSuccess;
     if (a.tq > 0) err = cudaMemsetAsync(a.dq, 0, elem * a.tq * a.hq * kDqk, stream);
-    if (err == cudaSuccess && a.tk > 0) err = cudaMemsetAsync(a.dk, 0, elem * a.tk * a.hk * kDqk, stream);
-    if (err == cudaSuccess && a.tk > 0) err = cudaMemsetAsync(a.dv, 0, elem * a.tk * a.hk * kDv, stream);
+    // A part's rows * hk head rows of d columns, head_stride apart.
+    auto zero = [&](const Sm90GradRows& g, int64_t d) {
+      if (err == cudaSuccess && a.tk > 0)
+        err = cudaMemset2DAsync(g.ptr, elem * g.head_stride, 0, elem * d, a.tk * a.hk, stream);
+    };
+    zero(a.dk, 128);
+    zero(a.dk_pe, 64);
+    zero(a.dv, kDv);
     return err;
   }
   bwd::Params p;
   launch_schedule<bwd::kBN>(p, a.workspace, a.cu_kv, a.tk, a.batch, a.hk, stream);
   p.lse_d = a.lse_d;
   p.dq_accum = a.dq_accum;
-  p.dk = a.dk;
-  p.dv = a.dv;
+  p.dk = a.dk.ptr;
+  p.dk_pe = a.dk_pe.ptr;
+  p.dv = a.dv.ptr;
+  p.dk_rs = 2 * a.dk.row_stride;
+  p.dk_hs = 2 * a.dk.head_stride;
+  p.dkp_rs = 2 * a.dk_pe.row_stride;
+  p.dkp_hs = 2 * a.dk_pe.head_stride;
+  p.dv_rs = 2 * a.dv.row_stride;
+  p.dv_hs = 2 * a.dv.head_stride;
   set_shared_params(p, a);
+  p.k_pe_shared = a.in.k_pe.heads == 1 && a.hk > 1 ? 1 : 0;
   return a.half ? launch_bwd<true>(a, p, stream) : launch_bwd<false>(a, p, stream);
 }
 

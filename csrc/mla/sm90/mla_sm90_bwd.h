@@ -5,20 +5,28 @@
 
 #include <cstdint>
 
+#include "mla_sm90_fwd.h"  // Sm90Parts
+
 namespace verl_ops {
 namespace cuda {
 
+// Rows [rows, heads, d] a gradient part is written to: the base (16-byte aligned) and the row and
+// head strides in elements, the row stride heads * head_stride.
+struct Sm90GradRows {
+  void* ptr = nullptr;
+  int64_t row_stride = 0, head_stride = 0;
+};
+
 struct Sm90BwdArgs {
-  const void* q;     // [tq, hq, 192], contiguous, 16-byte aligned
-  const void* k;     // [tk, hk, 192]
-  const void* v;     // [tk, hk, 128]
+  Sm90Parts in;      // q, q_pe, k, k_pe, v as the forward read them (mla_sm90_fwd.h)
   const void* out;   // [tq, hq, 128]: the forward's output
   const void* dout;  // [tq, hq, 128]
   const float* lse;  // the forward's natural-log log-sum-exp of (row, head) at
                      // row * lse_row_stride + head * lse_head_stride, +inf where no key is seen
-  void* dq;          // [tq, hq, 192]: every row written (zeros outside the sequences)
-  void* dk;          // [tk, hk, 192]: the rows inside the sequences written
-  void* dv;          // [tk, hk, 128]: likewise
+  void* dq;          // [tq, hq, 192] contiguous: every row written (zeros outside the sequences)
+  // dk's first 128 columns, its last 64 (per kv head, also where k_pe is shared: the caller sums
+  // them over the heads) and dv [tk, hk, 128]: the rows inside the sequences written.
+  Sm90GradRows dk, dk_pe, dv;
   const int32_t* cu_q;
   const int32_t* cu_kv;
   int32_t* workspace;  // sm90_backward_workspace_ints(batch) int32 on the device

@@ -31,18 +31,15 @@ namespace {
 
 template <bool kHalf>
 cudaError_t launch(const Sm90FwdArgs& a, const fwd::Params& p, cudaStream_t stream) {
-  CUtensorMap mq, mk, mv;
-  if (!make_map(&mq, a.q, a.tq, a.hq, kDqk, fwd::kBM, kHalf) ||
-      !make_map(&mk, a.k, a.tk, a.hk, kDqk, fwd::kBN, kHalf) ||
-      !make_map(&mv, a.v, a.tk, a.hk, kDv, fwd::kBN, kHalf))
-    return cudaErrorInvalidValue;
+  CUtensorMap m[5];
+  if (!make_part_maps(m, a.in, a.tq, a.tk, fwd::kBM, fwd::kBN, kHalf)) return cudaErrorInvalidValue;
   constexpr auto kernel = fwd::mla_sm90_fwd_kernel<kHalf>;
   const cudaError_t err = opt_in_smem<kernel>(fwd::kSmemBytes);
   if (err != cudaSuccess) return err;
   // Persistent: one CTA per SM at most, never more than there can be tiles.
   const int64_t tiles_bound = a.hq * ((a.tq + fwd::kBM - 1) / fwd::kBM + a.batch);
   dim3 grid(static_cast<unsigned>(std::min<int64_t>(sm_count(), tiles_bound)));
-  kernel<<<grid, fwd::kThreads, fwd::kSmemBytes, stream>>>(mq, mk, mv, p);
+  kernel<<<grid, fwd::kThreads, fwd::kSmemBytes, stream>>>(m[0], m[1], m[2], m[3], m[4], p);
   return cudaGetLastError();
 }
 
@@ -77,6 +74,8 @@ bool sm90_forward_device(int device) {
   return sm90_forward_enabled() && sm90_device_supported(device);
 }
 
+bool sm90_kernels_device(int device) { return sm90_forward_compiled() && sm90_device_supported(device); }
+
 cudaError_t launch_sm90_forward(const Sm90FwdArgs& a, cudaStream_t stream) {
   if (a.tq <= 0 || a.batch <= 0) return cudaSuccess;
   if (a.tk <= 0) return cudaSuccess;  // every row sees no key: the caller's empty-rows pass
@@ -86,6 +85,7 @@ cudaError_t launch_sm90_forward(const Sm90FwdArgs& a, cudaStream_t stream) {
   p.out = a.out;
   p.lse = a.lse;
   set_shared_params(p, a);
+  p.k_pe_shared = a.in.k_pe.heads == 1 && a.hk > 1 ? 1 : 0;
   return a.half ? launch<true>(a, p, stream) : launch<false>(a, p, stream);
 }
 

@@ -8,10 +8,22 @@
 namespace verl_ops {
 namespace cuda {
 
+// Rows [rows, heads, d] of one operand part as the kernels read them through TMA: the base
+// (16-byte aligned) and the row and head strides in elements (multiples of 8; the inner stride is 1).
+struct Sm90Rows {
+  const void* ptr = nullptr;
+  int64_t row_stride = 0, head_stride = 0, heads = 0;
+};
+
+// The operands in parts: q = [q | q_pe] (128 + 64 columns), k = [k | k_pe] with k_pe of 1 head
+// (shared by every kv head, MLA's rope key) or hk heads, v of 128 columns. A contiguous
+// [t, h, 192] tensor is the parts at column offsets 0 and 128 of its rows (sm90_dense_parts).
+struct Sm90Parts {
+  Sm90Rows q, q_pe, k, k_pe, v;
+};
+
 struct Sm90FwdArgs {
-  const void* q;  // [tq, hq, 192], contiguous, 16-byte aligned
-  const void* k;  // [tk, hk, 192]
-  const void* v;  // [tk, hk, 128]
+  Sm90Parts in;
   void* out;      // [tq, hq, 128]
   float* lse;     // [tq, hq]
   const int32_t* cu_q;
@@ -24,6 +36,19 @@ struct Sm90FwdArgs {
 
 inline int64_t sm90_forward_workspace_ints(int64_t batch) { return 2 * batch + 2; }
 
+// The parts of contiguous q [tq, hq, 192], k [tk, hk, 192], v [tk, hk, 128].
+inline Sm90Parts sm90_dense_parts(const void* q, const void* k, const void* v, int64_t hq, int64_t hk) {
+  const char* qb = static_cast<const char*>(q);
+  const char* kb = static_cast<const char*>(k);
+  Sm90Parts p;
+  p.q = {q, hq * 192, 192, hq};
+  p.q_pe = {qb + 128 * 2, hq * 192, 192, hq};
+  p.k = {k, hk * 192, 192, hk};
+  p.k_pe = {kb + 128 * 2, hk * 192, 192, hk};
+  p.v = {v, hk * 128, 128, hk};
+  return p;
+}
+
 // Whether this build holds the SM90a kernel (TORCH_CUDA_ARCH_LIST with 9.0a, see setup.py).
 bool sm90_forward_compiled();
 // ... and the varlen backend runs its forward with it: compiled, and not turned off by
@@ -31,6 +56,9 @@ bool sm90_forward_compiled();
 bool sm90_forward_enabled();
 // ... on this device: enabled and compute capability 9.0 (cached per device; no sync).
 bool sm90_forward_device(int device);
+// Compiled, and this device can run them (compute capability 9.0, the tensor-map encoder), whatever
+// the varlen backend's switches say: the kernels of mla_latent_forward / _backward.
+bool sm90_kernels_device(int device);
 
 // Writes out and lse for every row some key is visible to; rows that see no key are left to the
 // caller (the varlen backend's empty-rows pass writes zeros and +inf there).

@@ -41,6 +41,7 @@ struct Params {
   int hq, hk, batch;
   float scale, scale_log2;
   int causal, bottom_right;
+  int k_pe_shared;  // k's last 64 columns come from one head for every kv head (MLA's k_pe)
 };
 
 }  // namespace fwd
@@ -65,12 +66,17 @@ struct Params {
   const int32_t* cu_kv;
   const float2* lse_d;         // [hq, tq]: {lse * log2(e), D}
   float* dq_accum;             // [tq, hq, 192]
-  void* dk;                    // [tk, hk, 192]
-  void* dv;                    // [tk, hk, 128]
+  // dK's first 128 columns (dk), its last 64 (dk_pe: per kv head even where k_pe is shared) and
+  // dV, each at row * <x>_rs + head * <x>_hs bytes.
+  void* dk;
+  void* dk_pe;
+  void* dv;
+  int64_t dk_rs, dk_hs, dkp_rs, dkp_hs, dv_rs, dv_hs;
   int64_t tq, tk;
   int hq, hk, batch;
   float scale, scale_log2;
   int causal, bottom_right;
+  int k_pe_shared;
 };
 
 }  // namespace bwd

@@ -1,0 +1,228 @@
+"""MLA attention on its operands in parts (docs/mla.md#latent-parts).
+
+Megatron-Core's MultiLatentAttention builds attention's operands by concatenation:
+``q = [q_nope | rope(q_pe)]`` and ``k = [k_nope | rope(k_pe)]`` with ``k_pe`` (one head) copied into
+every head, then V as its own copy. Forward and backward that is about 4 GB of memory traffic per
+layer at 33k tokens x 64 heads, for data the attention could read where it already is.
+
+- ``torch.ops.verl_ops.mla_latent_forward / _backward``: the attention on the parts (CUDA: the SM90
+  kernels read each part through a tensor map of its own; CPU: the concatenated reference).
+- :func:`mla_latent_attention`: MLA's core step from the tensors Megatron's up-projections return
+  (``q [T, H, 192]`` and ``kv [T, H, 256]`` as one row per token and head, ``k_pe [T, 1, 64]``),
+  RoPE applied on the way (:func:`verl_ops.mla_rope`, one pass over the rope dims) and gradients
+  returned in those same layouts: no concatenation forward or backward.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from ._library import register_autograd
+
+_ops = torch.ops.verl_ops
+
+NOPE, ROPE, DV = 128, 64, 128
+
+
+def _shared_k_pe(k_pe: torch.Tensor, hk: int) -> bool:
+    return k_pe.shape[1] == 1 and hk != 1
+
+
+# --------------------------------------------------------------------------------------------
+# The raw ops: fake kernels, the CPU kernels (the concatenated reference) and autograd.
+
+
+@torch.library.register_fake("verl_ops::mla_latent_forward")
+def _forward_fake(q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                  causal=True, softmax_scale=None):
+    torch._check(q.dim() == 3 and q.shape[2] == NOPE, lambda: f"mla_latent_forward: q must be [Tq, Hq, {NOPE}]")
+    tq, hq = q.shape[0], q.shape[1]
+    # softmax_lse: [Hq, Tq], the transpose of the kernels' [Tq, Hq] rows (no copy).
+    return q.new_empty((tq, hq, DV)), q.new_empty((tq, hq), dtype=torch.float32).transpose(0, 1)
+
+
+@torch.library.register_fake("verl_ops::mla_latent_backward")
+def _backward_fake(grad_out, q, q_pe, k, k_pe, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_kv,
+                   max_seqlen_q, max_seqlen_kv, causal=True, softmax_scale=None):
+    tq, hq = q.shape[0], q.shape[1]
+    tk, hk = k.shape[0], k.shape[1]
+    return (q.new_empty((tq, hq, NOPE + ROPE)), k.new_empty((tk, hk, NOPE + DV)),
+            k.new_empty((tk, hk, ROPE)))
+
+
+def _concatenated(op, q, q_pe, k, k_pe, v):
+    """The parts' concatenation (the reference the CPU kernels compute on), shapes checked."""
+    for name, t, d in (("q", q, NOPE), ("q_pe", q_pe, ROPE), ("k", k, NOPE), ("k_pe", k_pe, ROPE), ("v", v, DV)):
+        if t.dim() != 3 or t.shape[2] != d:
+            raise ValueError(f"{op}: {name} must be 3-D [T, H, {d}], got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{op}: {name} must have q's dtype and device, got {t.dtype} on {t.device}")
+    tq, hq, tk, hk = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
+    if tuple(q_pe.shape[:2]) != (tq, hq):
+        raise ValueError(f"{op}: q_pe must be [{tq}, {hq}, {ROPE}] like q's rows and heads, got {tuple(q_pe.shape)}")
+    if tuple(v.shape[:2]) != (tk, hk):
+        raise ValueError(f"{op}: v must be [{tk}, {hk}, {DV}] like k's rows and heads, got {tuple(v.shape)}")
+    if k_pe.shape[0] != tk or k_pe.shape[1] not in (1, hk):
+        raise ValueError(f"{op}: k_pe must be [{tk}, 1, {ROPE}] (shared by every kv head) or "
+                         f"[{tk}, {hk}, {ROPE}], got {tuple(k_pe.shape)}")
+    return torch.cat([q, q_pe], -1), torch.cat([k, k_pe.expand(tk, hk, ROPE)], -1)
+
+
+@torch.library.impl("verl_ops::mla_latent_forward", "CPU")
+def _forward_cpu(q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                 causal=True, softmax_scale=None):
+    qf, kf = _concatenated("mla_latent_forward", q, q_pe, k, k_pe, v)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(NOPE + ROPE)
+    with torch._C._AutoDispatchBelowAutograd():
+        out, lse = _ops.mla_forward_padded(qf, kf, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                                           max_seqlen_kv, causal, softmax_scale, 0)
+    return out.contiguous(), lse.transpose(0, 1).contiguous().transpose(0, 1)
+
+
+@torch.library.impl("verl_ops::mla_latent_backward", "CPU")
+def _backward_cpu(grad_out, q, q_pe, k, k_pe, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_kv,
+                  max_seqlen_q, max_seqlen_kv, causal=True, softmax_scale=None):
+    qf, kf = _concatenated("mla_latent_backward", q, q_pe, k, k_pe, v)
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(NOPE + ROPE)
+    with torch._C._AutoDispatchBelowAutograd():
+        dq, dk, dv = _ops.mla_backward_padded(grad_out, qf, kf, v, out, softmax_lse.contiguous(), cu_seqlens_q,
+                                              cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, causal, softmax_scale, 0)
+    return dq.contiguous(), torch.cat([dk[..., :NOPE], dv], -1), dk[..., NOPE:].contiguous()
+
+
+def _setup_context(ctx, inputs, output):
+    q, q_pe, k, k_pe, v, cu_q, cu_kv, max_q, max_kv, causal, scale = inputs
+    out, lse = output
+    ctx.mark_non_differentiable(lse)
+    ctx.save_for_backward(q, q_pe, k, k_pe, v, out, lse, cu_q, cu_kv)
+    ctx.meta = (max_q, max_kv, causal, scale)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    q, q_pe, k, k_pe, v, out, lse, cu_q, cu_kv = ctx.saved_tensors
+    max_q, max_kv, causal, scale = ctx.meta
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    dq, dkv, dkpe = _ops.mla_latent_backward(grad_out, q, q_pe, k, k_pe, v, out, lse, cu_q, cu_kv,
+                                             max_q, max_kv, causal, scale)
+    if _shared_k_pe(k_pe, k.shape[1]):
+        dkpe = dkpe.sum(1, keepdim=True)
+    return dq[..., :NOPE], dq[..., NOPE:], dkv[..., :NOPE], dkpe, dkv[..., NOPE:], None, None, None, None, None, None
+
+
+register_autograd("verl_ops::mla_latent_forward", _backward, setup_context=_setup_context)
+register_autograd("verl_ops::mla_latent_backward")
+
+
+# --------------------------------------------------------------------------------------------
+# MLA's core step on Megatron's tensors.
+
+
+_AVAILABLE: dict = {}
+
+
+def latent_kernels_available(t: torch.Tensor) -> bool:
+    """Whether ``mla_latent_forward`` runs its SM90 kernels for tensors like ``t``: float16 /
+    bfloat16 on a compute capability 9.0 device, in a build with those kernels (sm_90a). Asked of
+    the op once per device (one launch on 1 row), then remembered."""
+    if t.device.type != "cuda" or t.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    known = _AVAILABLE.get(index)
+    if known is None:
+        known = False
+        if torch.cuda.get_device_capability(index) == (9, 0):
+            dev = torch.device("cuda", index)
+            z = lambda *shape: torch.zeros(shape, dtype=torch.bfloat16, device=dev)  # noqa: E731
+            cu = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+            try:
+                with torch._C._AutoDispatchBelowAutograd():
+                    _ops.mla_latent_forward(z(1, 1, NOPE), z(1, 1, ROPE), z(1, 1, NOPE), z(1, 1, ROPE), z(1, 1, DV),
+                                            cu, cu, 1, 1, True, None)
+                known = True
+            except RuntimeError:
+                known = False
+        _AVAILABLE[index] = known
+    return known
+
+
+class RopePlan:
+    """What :func:`verl_ops.mla_rope` needs for one tensor: the tables (in its dtype, mscale applied),
+    each row's position and the de-interleave flag."""
+
+    __slots__ = ("cos", "sin", "positions", "interleaved")
+
+    def __init__(self, cos, sin, positions, interleaved):
+        self.cos, self.sin, self.positions, self.interleaved = cos, sin, positions, bool(interleaved)
+
+    def apply(self, x, backward=False):
+        return _ops.mla_rope(x, self.cos, self.sin, self.positions, self.interleaved, bool(backward))
+
+
+class _LatentAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, kv, k_pe, rope_q, rope_k, cu_q, cu_kv, max_q, max_kv, scale):
+        with torch._C._AutoDispatchBelowAutograd():
+            q_pe = rope_q.apply(q[..., NOPE:])
+            k_pe_r = rope_k.apply(k_pe)
+            out, lse = _ops.mla_latent_forward(q[..., :NOPE], q_pe, kv[..., :NOPE], k_pe_r, kv[..., NOPE:],
+                                               cu_q, cu_kv, max_q, max_kv, True, scale)
+        ctx.save_for_backward(q, q_pe, kv, k_pe_r, out, lse, cu_q, cu_kv)
+        ctx.meta = (rope_q, rope_k, max_q, max_kv, scale, k_pe.shape)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, q_pe, kv, k_pe_r, out, lse, cu_q, cu_kv = ctx.saved_tensors
+        rope_q, rope_k, max_q, max_kv, scale, k_pe_shape = ctx.meta
+        with torch._C._AutoDispatchBelowAutograd():
+            dq, dkv, dkpe = _ops.mla_latent_backward(
+                grad_out.contiguous(), q[..., :NOPE], q_pe, kv[..., :NOPE], k_pe_r, kv[..., NOPE:], out, lse,
+                cu_q, cu_kv, max_q, max_kv, True, scale)
+            # dq is this function's own buffer: its rope columns are turned back in place.
+            dq[..., NOPE:] = rope_q.apply(dq[..., NOPE:], backward=True)
+            if _shared_k_pe(k_pe_r, kv.shape[1]):
+                dkpe = dkpe.sum(1, keepdim=True)
+            dk_pe = rope_k.apply(dkpe, backward=True).reshape(k_pe_shape)
+        return dq, dkv, dk_pe, None, None, None, None, None, None, None
+
+
+def mla_latent_attention(q, kv, k_pe, rope_q: RopePlan, rope_k: RopePlan, cu_seqlens_q, cu_seqlens_kv,
+                         max_seqlen_q, max_seqlen_kv, softmax_scale=None):
+    """Causal MLA attention from Megatron's up-projections, RoPE applied on the way.
+
+    Args:
+        q: ``[Tq, H, 192]``: per head 128 no-rope columns, then 64 rope columns not yet rotated.
+        kv: ``[Tk, Hk, 256]``: per head k's 128 no-rope columns, then v's 128.
+        k_pe: ``[Tk, 1, 64]`` (one rope key for every head, MLA's) or ``[Tk, Hk, 64]``, not yet rotated.
+        rope_q, rope_k: the RoPE of q's rope columns and of ``k_pe`` (:class:`RopePlan`).
+
+    Returns ``[Tq, H, 128]``, equal to the attention of ``[q_nope | rope(q_pe)]`` on
+    ``[k_nope | rope(k_pe)]`` and v. Gradients come back as ``q``'s, ``kv``'s and ``k_pe``'s, each in
+    its own layout. On CUDA the SM90 kernels read every part in place (Hopper, float16 / bfloat16);
+    elsewhere the parts are concatenated and :func:`verl_ops.mla_forward_padded` runs."""
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(NOPE + ROPE)
+    if latent_kernels_available(q) or q.device.type == "cpu" and os.environ.get("VERL_OPS_MLA_LATENT_CPU") == "1":
+        return _LatentAttention.apply(q, kv, k_pe, rope_q, rope_k, cu_seqlens_q, cu_seqlens_kv,
+                                      max_seqlen_q, max_seqlen_kv, float(softmax_scale))
+    query, key, value = concatenated_operands(q, kv, k_pe, rope_q, rope_k)
+    from ._mla import mla_forward_padded
+
+    return mla_forward_padded(query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                              causal=True, softmax_scale=softmax_scale, validate=False)
+
+
+def concatenated_operands(q, kv, k_pe, rope_q: RopePlan, rope_k: RopePlan):
+    """The query, key and value Megatron would have built: ``[q_nope | rope(q_pe)]``,
+    ``[k_nope | rope(k_pe)]`` (k_pe copied into every head) and v, each contiguous."""
+    hk = kv.shape[1]
+    query = torch.cat([q[..., :NOPE], rope_q.apply(q[..., NOPE:])], -1)
+    k_pe_r = rope_k.apply(k_pe)
+    key = torch.cat([kv[..., :NOPE], k_pe_r.expand(k_pe_r.shape[0], hk, ROPE)], -1)
+    return query, key, kv[..., NOPE:].contiguous()
