@@ -12,6 +12,7 @@ from . import _library  # noqa: F401  (loads _C, and _C_layers under torch >= 2.
 from ._jagged import jagged_gather, jagged_scatter
 from ._mla import mla_cache_info, mla_forward_padded
 from ._mla_cp import mla_cp_attention
+from ._mla_latent import mla_latent_attention
 from ._rope import mla_rope
 from ._thd import postprocess_thd, preprocess_thd
 from .dynamic_cp import DynamicCPGroups, DynamicCPPlan, dynamic_cp_merge, dynamic_cp_split, plan_dynamic_cp
@@ -36,6 +37,7 @@ __all__ = [
     "mla_forward_padded",
     "mla_cache_info",
     "mla_cp_attention",
+    "mla_latent_attention",
     "mla_rope",
     "cuda_available",
     "__version__",

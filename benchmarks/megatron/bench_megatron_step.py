@@ -116,11 +116,14 @@ common.use_tests_dir()
 import megatron_model_lib as mml  # noqa: E402  (tests/megatron_model_lib.py: the model builder)
 from common import device_line, sync  # noqa: E402
 
-PATHS = ("verl", "verl_ops")
+PATHS = ("verl", "verl_ops_cat", "verl_ops")
 # The FA3-class peer: verl's path on FlashAttention-4, where flash-attn-4 is importable (CUDA).
 FA4_PATH = "verl_fa4"
 # Every path, in the order of the tables.
-ALL_PATHS = ("verl", FA4_PATH, "verl_ops")
+# verl_ops with Megatron's own q / k concatenation (VERL_OPS_MLA_LATENT=0): what the latent path
+# (the attention reading q, kv and k_pe in place, RoPE on the way) saves.
+CAT_PATH = "verl_ops_cat"
+ALL_PATHS = ("verl", FA4_PATH, CAT_PATH, "verl_ops")
 
 # hidden, heads, q_lora_rank, dense FFN, expert FFN, shared-expert FFN
 SIZES = {
@@ -409,6 +412,8 @@ class Step:
         self.cores = {"verl_ops": [m.core_attention for m in self.mlas]}
         verl_pack = load_verl_pack()
         self.packs = {"verl_ops": mml.verl_ops_pack()}
+        if CAT_PATH in paths:
+            self.cores[CAT_PATH], self.packs[CAT_PATH] = self.cores["verl_ops"], self.packs["verl_ops"]
         for path, cls in (("verl", VerlFlashMLACoreAttention), (FA4_PATH, VerlFA4MLACoreAttention)):
             if path not in paths:
                 continue
@@ -436,7 +441,8 @@ class Step:
         for m, core in zip(self.mlas, self.cores[path]):
             m.core_attention = core
         for mname, cls, name, old, new in self.patches:
-            _set_global(mname, cls, name, new if path == "verl_ops" else old)
+            _set_global(mname, cls, name, new if path in ("verl_ops", CAT_PATH) else old)
+        os.environ["VERL_OPS_MLA_LATENT"] = "0" if path == CAT_PATH else "1"
         self.path = path
 
     def patch_names(self):
@@ -562,7 +568,7 @@ CATEGORIES = (
 # Ops whose own kernels are the attention (the forward / backward op, or verl_ops' op with its
 # helper kernels); a kernel counts as attention when one of these is on its op stack.
 _ATTN_OPS = re.compile(r"aten::_flash_attention|aten::_efficient_attention|aten::_cudnn_attention"
-                       r"|aten::_scaled_dot_product|verl_ops::mla_forward|verl_ops::mla_backward|flash_attn"
+                       r"|aten::_scaled_dot_product|verl_ops::mla_forward|verl_ops::mla_backward|verl_ops::mla_latent|flash_attn"
                        r"|torch_attn::", re.I)
 _GEMM_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_grouped_mm", "aten::matmul",
              "aten::_scaled_mm", "aten::addmv", "aten::mv", "aten::addbmm"}
@@ -780,6 +786,11 @@ def _category(kernel, op, chain, label, backward, fwd_op):
     """The category of one kernel: ``op`` launched it, ``chain`` is the op stack (innermost first),
     ``label`` the innermost ``bench::`` range (for backward kernels: that of the forward op whose
     autograd node runs them), ``fwd_op`` that forward op's name."""
+    # The latent path's RoPE and its backward's assembly (the rope columns of dq turned back in
+    # place, k_pe's gradient summed over the heads) run inside the core attention: MLA rope.
+    if op == "verl_ops::mla_rope" or (any("_LatentAttention" in n for n in chain)
+                                      and not any(_ATTN_OPS.search(n) for n in chain)):
+        return "MLA rope"
     # (by the kernel's name too: FlashAttention-4's kernels run under no op of their own, only the
     # core attention's range and, backward, its autograd node)
     if any(_ATTN_OPS.search(n) for n in chain) or _ATTN_KERNEL.search(kernel):

@@ -20,7 +20,11 @@ Two ways in (docs/megatron.md):
 
 from __future__ import annotations
 
+import inspect
 import math
+import os
+import threading
+import warnings
 
 import torch
 
@@ -457,6 +461,22 @@ class MLACoreAttention(torch.nn.Module):
                     else:
                         max_seqlen = _cached_on(cu, _MAX_ATTR, None, lambda: longest_sequence(cu))
                 max_seqlen = int(max_seqlen)
+            latent = getattr(query, LATENT_ATTR, None)
+            if latent is not None:
+                if key is not latent.kv or value is not latent.k_pe:
+                    raise RuntimeError(
+                        "MLACoreAttention: the query came from verl_ops' latent capture (q and kv as the "
+                        "up-projections made them) but key / value were replaced on the way; set "
+                        "VERL_OPS_MLA_LATENT=0 to have Megatron build them")
+                if cp == 1:
+                    from .._mla_latent import mla_latent_attention
+
+                    out = mla_latent_attention(query, key, value, latent.rope_q, latent.rope_k, cu, cu,
+                                               max_seqlen, max_seqlen, softmax_scale=scale)
+                    return out.reshape(out.shape[0], -1)
+                from .._mla_latent import concatenated_operands
+
+                query, key, value = concatenated_operands(query, key, value, latent.rope_q, latent.rope_k)
             out = mla_cp_attention(
                 query, key, value, cu, max_seqlen, cp_group=group, cp_layout=self.cp_layout,
                 softmax_scale=scale, backend=self.backend,
@@ -574,7 +594,10 @@ def install(spec=None, *, cp_layout: str = "zigzag", backend: str = "auto", fast
       (:func:`verl_ops.integrations.megatron_compat.patch_megatron_core`).
     - Where MultiLatentAttention pads V itself (>= 0.18), it hands :class:`MLACoreAttention`
       the native V and takes back ``[t, n * Dv]``: no pad, no trim, no copy.
-    - ``fast_rope``: THD RoPE in one pass (:func:`fast_thd_rope`, bit-identical to Megatron's).
+    - ``fast_rope``: THD RoPE in one pass (:func:`fast_thd_rope`, bit-identical to Megatron's), and,
+      where :class:`MLACoreAttention` runs on Hopper, no concatenation of MLA's q and k at all:
+      the attention reads the up-projections' outputs in place and applies RoPE on the way
+      (:func:`_install_latent_capture`; ``VERL_OPS_MLA_LATENT=0`` turns it off).
     - With ``spec`` (a GPT layer / block / MTP block spec), puts :class:`MLACoreAttention` into
       its MLA core-attention slots (:func:`use_in_spec`) and returns the spec.
 
@@ -591,6 +614,7 @@ def install(spec=None, *, cp_layout: str = "zigzag", backend: str = "auto", fast
     _install_value_pad_bypass(mla_module)
     if fast_rope:
         _install_fast_rope()
+        _install_latent_capture(mla_module)
     if spec is not None:
         use_in_spec(spec, cp_layout=cp_layout, backend=backend)
     return spec
@@ -602,6 +626,9 @@ def install(spec=None, *, cp_layout: str = "zigzag", backend: str = "auto", fast
 
 _ROPE_TABLE_ATTR = "_verl_ops_rope_tables"
 _ROPE_POS_ATTR = "_verl_ops_rope_positions"
+# Per thread: where fast_thd_rope's apply puts its plan (tables, positions) instead of rotating,
+# while a latent capture (below) asks for it; None otherwise.
+_ROPE_PLANS = threading.local()
 
 
 def _cached_on(t: torch.Tensor, attr: str, key, make):
@@ -676,6 +703,13 @@ def fast_thd_rope(original):
             return ((torch.cos(table) * mscale).to(t.dtype), (torch.sin(table) * mscale).to(t.dtype))
 
         cos, sin = _cached_on(freqs, _ROPE_TABLE_ATTR, (float(mscale), t.dtype, t.device), tables)
+        plans = getattr(_ROPE_PLANS, "sink", None)
+        if plans is not None:
+            # Asked for the plan only (the latent path, _LatentCapture): it rotates t itself later.
+            from .._mla_latent import RopePlan
+
+            plans.append(RopePlan(cos, sin, positions, bool(mla)))
+            return t
         return mla_rope(t, cos, sin, positions, interleaved=bool(mla))
 
     apply.__wrapped__ = original
@@ -693,4 +727,200 @@ def _install_fast_rope() -> bool:
     if getattr(original, _PATCHED_ATTR, False):
         return True
     rope_utils._apply_rotary_pos_emb_thd = fast_thd_rope(original)
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# MLA's q and k without concatenation (docs/megatron.md#latent)
+# --------------------------------------------------------------------------------------------
+#
+# MultiLatentAttention.get_query_key_value_tensors up-projects q [t, n * 192] and kv [t, n * 256],
+# rotates q's rope columns and k_pe (one head), then builds query = cat(q_nope, q_pe), key =
+# cat(k_nope, k_pe copied into n heads) and value = a copy of kv's v columns: ~4 GB of memory traffic
+# per layer forward and backward at 33k tokens x 64 heads. Where MLACoreAttention runs the SM90
+# kernels, which read those parts in place (verl_ops.mla_latent_attention), the concatenation is
+# skipped: Megatron's own method runs up to its second RoPE call (so its projections, norms, TP and
+# SP gathers are its own, on every megatron-core version), the RoPE hook records the rotation instead
+# of applying it, and the method is left there (an exception caught here). It then returns q and kv
+# as the projections made them and k_pe, the query tagged with the rest (LATENT_ATTR), which
+# MLACoreAttention reads. Any step that does not go as expected falls back to Megatron's method,
+# once with a warning, and the layer keeps Megatron's method from then on.
+
+LATENT_ATTR = "_verl_ops_latent"
+_LATENT_OFF_ATTR = "_verl_ops_latent_off"
+_LATENT_HOOKS_ATTR = "_verl_ops_latent_hooks"
+_CAPTURE = threading.local()
+
+
+class _LatentStop(Exception):
+    """Raised by the RoPE hook at the capture's second RoPE call, caught by the capture."""
+
+
+class LatentQKV:
+    """What MLACoreAttention needs beside the query: kv, k_pe and the two RoPE plans."""
+
+    __slots__ = ("kv", "k_pe", "rope_q", "rope_k")
+
+    def __init__(self, kv, k_pe, rope_q, rope_k):
+        self.kv, self.k_pe, self.rope_q, self.rope_k = kv, k_pe, rope_q, rope_k
+
+
+class _LatentCapture:
+    def __init__(self, module):
+        self.module = module
+        self.ropes = []  # (the tensor RoPE was asked to rotate, its plan or None)
+        self.linears = {}  # name -> (input, output)
+
+    def result(self):
+        """(query, key, value, q_compressed, kv_compressed) from what was recorded, or a reason
+        string."""
+        m = self.module
+        if len(self.ropes) != 2 or self.ropes[0][1] is None or self.ropes[1][1] is None:
+            return "Megatron's RoPE did not go through verl_ops' one-pass RoPE for q and k_pe"
+        q_name = "linear_q_up_proj" if m.config.q_lora_rank is not None else "linear_q_proj"
+        if q_name not in self.linears or "linear_kv_up_proj" not in self.linears:
+            return "the up-projections' outputs were not seen"
+        (q_in, q_out), (kv_in, kv_out) = self.linears[q_name], self.linears["linear_kv_up_proj"]
+        (q_pe, rope_q), (k_pe, rope_k) = self.ropes
+        n = m.num_attention_heads_per_partition
+        t = q_pe.shape[0]
+        el = q_out.element_size()
+        ok = (
+            q_pe.dim() == 3 and tuple(q_pe.shape) == (t, n, 64)
+            and q_out.is_contiguous() and q_out.numel() == t * n * 192
+            and q_pe.data_ptr() == q_out.data_ptr() + 128 * el and q_pe.stride() == (n * 192, 192, 1)
+            and kv_out.is_contiguous() and kv_out.numel() == t * n * 256 and kv_out.dtype == q_out.dtype
+            and k_pe.dim() == 3 and tuple(k_pe.shape) == (t, 1, 64)
+        )
+        if not ok:
+            return "q, kv or k_pe were not laid out as expected"
+        query = q_out.view(t, n, 192)
+        key = kv_out.view(t, n, 256)
+        value = k_pe.contiguous()  # (Megatron's .contiguous() on it then returns it as it is)
+        setattr(query, LATENT_ATTR, LatentQKV(key, value, rope_q, rope_k))
+        q_compressed = q_in if m.config.q_lora_rank is not None else None
+        return query, key, value, q_compressed, kv_in
+
+
+def _latent_skip_reason(m, args) -> str | None:
+    """Why this call of get_query_key_value_tensors keeps Megatron's path (None: capture it)."""
+    from .._mla_latent import latent_kernels_available
+
+    if os.environ.get("VERL_OPS_MLA_LATENT", "1") == "0":
+        return "off"
+    if m.__dict__.get(_LATENT_OFF_ATTR) is not None:
+        return "off for this layer"
+    core = getattr(m, "core_attention", None)
+    if not isinstance(core, MLACoreAttention) or core.backend != "auto":
+        return "core attention"
+    psp = args.get("packed_seq_params")
+    if psp is None or getattr(psp, "qkv_format", None) != "thd":
+        return "not THD"
+    if args.get("key_value_states") is not None or args.get("inference_context") is not None \
+            or args.get("inference_params") is not None:
+        return "inference / cross attention"
+    c = m.config
+    if (c.qk_head_dim, c.qk_pos_emb_head_dim, c.v_head_dim) != (128, 64, 128):
+        return "head dims"
+    if getattr(c, "apply_rope_fusion", False) or getattr(c, "cache_mla_latents", False) \
+            or getattr(c, "experimental_attention_variant", None) is not None:
+        return "config"
+    if getattr(m, "recompute_up_proj", False) or getattr(m, "cache_mla_latents", False):
+        return "recomputed up-projection"
+    if m.training and (getattr(m, "checkpoint_core_attention", False) or getattr(m, "offload_core_attention", False)):
+        return "checkpointed / offloaded core attention"
+    if getattr(m, "offload_qkv_linear", False):
+        return "offloaded qkv"
+    if int(getattr(c, "context_parallel_size", 1) or 1) != 1 or getattr(psp, "cp_group", None) is not None:
+        return "context parallel"
+    hidden = args.get("hidden_states")
+    if not latent_kernels_available(hidden):
+        if not (hidden.device.type == "cpu" and os.environ.get("VERL_OPS_MLA_LATENT_CPU") == "1"):
+            return "no SM90 kernels for these tensors"
+    return None
+
+
+def _ensure_linear_hooks(m) -> None:
+    if m.__dict__.get(_LATENT_HOOKS_ATTR):
+        return
+    handles = []
+    for name in ("linear_q_up_proj", "linear_q_proj", "linear_kv_up_proj"):
+        linear = getattr(m, name, None)
+        if linear is None:
+            continue
+
+        def hook(module, inputs, output, name=name):
+            cap = getattr(_CAPTURE, "current", None)
+            if cap is not None and cap.module is m:
+                cap.linears[name] = (inputs[0] if inputs else None, output[0] if isinstance(output, tuple) else output)
+
+        handles.append(linear.register_forward_hook(hook))
+    m.__dict__[_LATENT_HOOKS_ATTR] = handles
+
+
+def _recording_rope(original):
+    """The RoPE function MultiLatentAttention calls (its module's ``apply_rotary_pos_emb``): as
+    ``original``, except during a capture, where it records each call and its plan and stops the
+    method at the second (k_pe) call."""
+
+    def apply_rotary_pos_emb(t, freqs, *args, **kwargs):
+        cap = getattr(_CAPTURE, "current", None)
+        if cap is None:
+            return original(t, freqs, *args, **kwargs)
+        _ROPE_PLANS.sink = plans = []
+        try:
+            result = original(t, freqs, *args, **kwargs)
+        finally:
+            _ROPE_PLANS.sink = None
+        cap.ropes.append((t, plans[0] if len(plans) == 1 else None))
+        if len(cap.ropes) == 2:
+            raise _LatentStop()
+        return result
+
+    apply_rotary_pos_emb.__wrapped__ = original
+    setattr(apply_rotary_pos_emb, _PATCHED_ATTR, True)
+    return apply_rotary_pos_emb
+
+
+def _install_latent_capture(mla_module) -> bool:
+    """Wrap ``MLASelfAttention.get_query_key_value_tensors`` (and the module's RoPE function) so that
+    THD layers whose core attention is :class:`MLACoreAttention` on the SM90 kernels hand it q, kv and
+    k_pe unconcatenated. Idempotent; False where this megatron-core lacks the pieces."""
+    cls = getattr(mla_module, "MLASelfAttention", None)
+    rope = getattr(mla_module, "apply_rotary_pos_emb", None)
+    if cls is None or rope is None or not hasattr(cls, "get_query_key_value_tensors"):
+        return False
+    if not getattr(rope, _PATCHED_ATTR, False):
+        mla_module.apply_rotary_pos_emb = _recording_rope(rope)
+    original = cls.get_query_key_value_tensors
+    if getattr(original, _PATCHED_ATTR, False):
+        return True
+    signature = inspect.signature(original)
+
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        try:
+            bound = signature.bind(self, *args, **kwargs).arguments
+        except TypeError:
+            bound = None
+        if bound is None or _latent_skip_reason(self, bound) is not None:
+            return original(self, *args, **kwargs)
+        _ensure_linear_hooks(self)
+        cap = _LatentCapture(self)
+        _CAPTURE.current = cap
+        try:
+            return original(self, *args, **kwargs)  # returns only where the capture did not stop it
+        except _LatentStop:
+            pass
+        finally:
+            _CAPTURE.current = None
+        result = cap.result()
+        if isinstance(result, str):
+            self.__dict__[_LATENT_OFF_ATTR] = result
+            warnings.warn(f"verl_ops: MLA layer keeps Megatron's q / k concatenation: {result}", stacklevel=2)
+            return original(self, *args, **kwargs)
+        return result
+
+    get_query_key_value_tensors.__wrapped__ = original
+    setattr(get_query_key_value_tensors, _PATCHED_ATTR, True)
+    cls.get_query_key_value_tensors = get_query_key_value_tensors
     return True
