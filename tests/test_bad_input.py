@@ -147,6 +147,15 @@ def mla_inputs(device, T=8, H=2, dqk=16, dv=8):
     return q, q.clone(), v, cu, cu.clone()
 
 
+def latent_inputs(device, T=8, H=2):
+    """A valid mla_latent_forward call's tensors: q, q_pe, k, k_pe (shared by the heads), v,
+    cu_seqlens_q, cu_seqlens_kv (MLA's head dims: 128 + 64 rope, v 128)."""
+    dt = mla_dtype(device)
+    z = lambda *shape: torch.zeros(shape, dtype=dt, device=device)  # noqa: E731
+    cu = torch.tensor([0, 3, T], dtype=torch.int32, device=device)
+    return z(T, H, 128), z(T, H, 64), z(T, H, 128), z(T, 1, 64), z(T, H, 128), cu, cu.clone()
+
+
 TF_CONFIG = SimpleNamespace()  # no fp8 attribute, no attention variant: the plain layout
 
 
@@ -365,6 +374,18 @@ def _mla_meta():
     return q, q, v, cu, cu
 
 
+def _latent_meta(k_pe_heads=1):
+    """mla_latent_attention's arguments on Meta: q [15, 4, 192], kv [15, 4, 256], k_pe [15, 1 or 4, 64],
+    RoPE tables [9, 64] and positions [15]."""
+    from verl_ops._mla_latent import RopePlan
+
+    rope = RopePlan(torch.zeros(9, 64, device=M), torch.zeros(9, 64, device=M),
+                    torch.zeros(15, dtype=torch.int64, device=M), True)
+    cu = torch.tensor([0, 3, 8, 8, 15], dtype=torch.int32, device=M)
+    return (torch.zeros(15, 4, 192, device=M), torch.zeros(15, 4, 256, device=M),
+            torch.zeros(15, k_pe_heads, 64, device=M), rope, rope, cu, cu)
+
+
 _MASK = lambda: torch.zeros(4, 9, dtype=torch.bool, device=M)  # noqa: E731
 _SPLIT = lambda: dynamic_cp_split(torch.zeros(15, 4, device=M), 8, lengths=[3, 5, 0, 7])  # noqa: E731
 
@@ -431,6 +452,9 @@ META_CASES = [
     ("mla_rope", lambda: verl_ops.mla_rope(torch.zeros(15, 4, 8, device=M), torch.zeros(9, 8, device=M),
                                            torch.zeros(9, 8, device=M), torch.zeros(15, dtype=torch.int64, device=M)),
      (15, 4, 8)),
+    ("mla_latent_attention", lambda: verl_ops.mla_latent_attention(*_latent_meta(), 7, 7), (15, 4, 128)),
+    ("mla_latent_attention-k_pe_per_head", lambda: verl_ops.mla_latent_attention(
+        *_latent_meta(k_pe_heads=4), 7, 7, softmax_scale=0.1), (15, 4, 128)),
     ("cuda_available", lambda: verl_ops.cuda_available(), verl_ops.cuda_available()),
 ]
 
@@ -723,6 +747,12 @@ ARG_CASES = [
          "start at 0"),
     Case("mla-max_seqlen_small", "mla_forward_padded", "max_seqlen_q", ValueError,
          lambda d: mla_forward_padded(*mla_inputs(d), 3, 5, validate=True), "=3"),
+    # mla_latent_attention: no case yet. Every bad input tried is left out, its error not naming
+    # mla_latent_attention and the argument: q a list or None, rope_q None (AttributeError); q
+    # [8, 2, 160] or 2-D, k_pe [8, 1, 32], int32 / short positions, float64 cos (mla_rope: ...); kv
+    # rows 7, k_pe [8, 3, 64] (torch.cat / expand); int64 or nested cu_seqlens, max_seqlen 5.5 / -1,
+    # softmax_scale "0.5", float64 kv (mla_forward_padded: ...); nested q (mla_rope) or kv (SymIntArrayRef);
+    # kv [8, 2, 192] silently accepted (an output of 64 columns).
     # drop-ins
     Case("preprocess_packed_seqs-mask_0d", "preprocess_packed_seqs", "attention_mask", ValueError,
          lambda d: verl_dropins.preprocess_packed_seqs(torch.zeros(2, 5, device=d), torch.tensor(True, device=d)),
@@ -833,6 +863,29 @@ def _raw_mla_bwd(d, *, backend=0, grad=None, lse=None):
     lse = torch.zeros(2, 8, device=d) if lse is None else lse
     grad = out if grad is None else grad
     return ops.mla_backward_padded(grad, q, k, v, out, lse, cq, ckv, 5, 5, True, None, backend)
+
+
+_LATENT_ARGS = ("q", "q_pe", "k", "k_pe", "v", "cu_seqlens_q", "cu_seqlens_kv")
+
+
+def _latent_args(d, backward=False, **bad):
+    """A valid positional mla_latent_forward (or _backward: grad_out and out zeros [8, 2, 128],
+    softmax_lse zeros [2, 8]) call, the arguments named in ``bad`` replaced."""
+    args = dict(zip(_LATENT_ARGS, latent_inputs(d)))
+    args.update(bad)
+    a = list(args.values())
+    if backward:
+        out = torch.zeros(8, 2, 128, dtype=mla_dtype(d), device=d)
+        a = [out.clone(), *a[:5], out, torch.zeros(2, 8, device=d), *a[5:]]
+    return a + [5, 5, True, None]
+
+
+def _raw_latent(d, **bad):
+    return ops.mla_latent_forward(*_latent_args(d, **bad))
+
+
+def _raw_latent_bwd(d, **bad):
+    return ops.mla_latent_backward(*_latent_args(d, backward=True, **bad))
 
 
 def _rope_inputs(d):
@@ -1191,6 +1244,51 @@ RAW_CASES = [
          "float32, float64, float16 or bfloat16"),
     Case("raw-mla_cache_info-capacity_negative", "mla_cache_info", "capacity", RT,
          lambda d: ops.mla_cache_info(torch.empty(0), -2), "-2", devices="cpu"),
+    # mla_latent_forward / mla_latent_backward (q [Tq, Hq, 128], q_pe [Tq, Hq, 64], k [Tk, Hk, 128],
+    # k_pe [Tk, 1 or Hk, 64], v [Tk, Hk, 128]). The CPU kernel is Python (ValueError), CUDA's C++
+    # (RuntimeError). Left out, as their messages name mla_forward_padded / mla_backward_padded (the
+    # CPU kernel's reference) instead of the op: cu_seqlens int64 / not at 0 / decreasing / 2-D /
+    # of other lengths, max_seqlen -1 / 2**40 / too small, softmax_scale nan, integer parts, q heads
+    # not a multiple of k's, and the backward's grad_out / out / softmax_lse shapes. Left out as
+    # silently accepted on Meta (the fake kernels check q's shape only): q_pe / k / k_pe / v shapes,
+    # max_seqlen -1, int64 cu_seqlens, a nan softmax_scale, and one Meta tensor among CPU ones.
+    Case("raw-mla_latent_forward-q_2d", "mla_latent_forward", "q", (ValueError, RT),
+         lambda d: _raw_latent(d, q=torch.zeros(8, 128, dtype=mla_dtype(d), device=d)), "3-D"),
+    Case("raw-mla_latent_forward-q_head_dim", "mla_latent_forward", "q", (ValueError, RT),
+         lambda d: _raw_latent(d, q=torch.zeros(8, 2, 96, dtype=mla_dtype(d), device=d)), "128.*96"),
+    Case("raw-mla_latent_forward-q_pe_head_dim", "mla_latent_forward", "q_pe", (ValueError, RT),
+         lambda d: _raw_latent(d, q_pe=torch.zeros(8, 2, 32, dtype=mla_dtype(d), device=d)), "64.*32"),
+    Case("raw-mla_latent_forward-q_pe_rows", "mla_latent_forward", "q_pe", (ValueError, RT),
+         lambda d: _raw_latent(d, q_pe=torch.zeros(7, 2, 64, dtype=mla_dtype(d), device=d)),
+         "like q's rows and heads"),
+    Case("raw-mla_latent_forward-q_pe_dtype", "mla_latent_forward", "q_pe", (ValueError, RT),
+         lambda d: _raw_latent(d, q_pe=torch.zeros(8, 2, 64, dtype=torch.float64, device=d))),
+    Case("raw-mla_latent_forward-k_head_dim", "mla_latent_forward", "k", (ValueError, RT),
+         lambda d: _raw_latent(d, k=torch.zeros(8, 2, 192, dtype=mla_dtype(d), device=d)), "128.*192"),
+    Case("raw-mla_latent_forward-k_pe_heads", "mla_latent_forward", "k_pe", (ValueError, RT),
+         lambda d: _raw_latent(d, k_pe=torch.zeros(8, 3, 64, dtype=mla_dtype(d), device=d)),
+         re.escape("[8, 1, 64] (shared by every kv head) or [8, 2, 64]")),
+    Case("raw-mla_latent_forward-k_pe_rows", "mla_latent_forward", "k_pe", (ValueError, RT),
+         lambda d: _raw_latent(d, k_pe=torch.zeros(7, 1, 64, dtype=mla_dtype(d), device=d)), r"\[8, 1, 64\]"),
+    Case("raw-mla_latent_forward-v_rows", "mla_latent_forward", "v", (ValueError, RT),
+         lambda d: _raw_latent(d, v=torch.zeros(7, 2, 128, dtype=mla_dtype(d), device=d)),
+         "like k's rows and heads"),
+    Case("raw-mla_latent_forward-v_head_dim", "mla_latent_forward", "v", (ValueError, RT),
+         lambda d: _raw_latent(d, v=torch.zeros(8, 2, 64, dtype=mla_dtype(d), device=d)), "128.*64"),
+    Case("raw-mla_latent_forward-meta_q_head_dim", "mla_latent_forward", "q", RT,
+         lambda d: _raw_latent("meta", q=torch.zeros(8, 2, 96, device="meta")), r"\[Tq, Hq, 128\]", "cpu"),
+    Case("raw-mla_latent_forward-meta_q_2d", "mla_latent_forward", "q", RT,
+         lambda d: _raw_latent("meta", q=torch.zeros(8, 128, device="meta")), devices="cpu"),
+    Case("raw-mla_latent_backward-q_head_dim", "mla_latent_backward", "q", (ValueError, RT),
+         lambda d: _raw_latent_bwd(d, q=torch.zeros(8, 2, 96, dtype=mla_dtype(d), device=d)), "128.*96"),
+    Case("raw-mla_latent_backward-k_pe_heads", "mla_latent_backward", "k_pe", (ValueError, RT),
+         lambda d: _raw_latent_bwd(d, k_pe=torch.zeros(8, 3, 64, dtype=mla_dtype(d), device=d)),
+         "shared by every kv head"),
+    Case("raw-mla_latent_backward-v_rows", "mla_latent_backward", "v", (ValueError, RT),
+         lambda d: _raw_latent_bwd(d, v=torch.zeros(7, 2, 128, dtype=mla_dtype(d), device=d)),
+         "like k's rows and heads"),
+    Case("raw-mla_latent_backward-q_pe_dtype", "mla_latent_backward", "q_pe", (ValueError, RT),
+         lambda d: _raw_latent_bwd(d, q_pe=torch.zeros(8, 2, 64, dtype=torch.float64, device=d))),
 ]
 
 @pytest.mark.parametrize("case, device", params(RAW_CASES))
@@ -1252,6 +1350,10 @@ RAW_TENSOR_ARGUMENTS = {
                             ("cu_seqlens_q", T), ("cu_seqlens_kv", T)],
     "mla_cache_info": [("like", T)],
     "mla_rope": [("x", T), ("cos", T), ("sin", T), ("positions", T)],
+    "mla_latent_forward": [("q", T), ("q_pe", T), ("k", T), ("k_pe", T), ("v", T), ("cu_seqlens_q", T),
+                           ("cu_seqlens_kv", T)],
+    "mla_latent_backward": [("grad_out", T), ("q", T), ("q_pe", T), ("k", T), ("k_pe", T), ("v", T),
+                            ("out", T), ("softmax_lse", T), ("cu_seqlens_q", T), ("cu_seqlens_kv", T)],
 }
 # Ops whose tensors live on the host (a CUDA tensor is the op's own error, not this battery's).
 HOST_OPS = {"thd_layout", "thd_layout_info", "mla_cache_info", "dynamic_cp_split"}
@@ -1288,6 +1390,8 @@ def _raw_valid_args(name, d):
                                         torch.zeros(2, 8, device=d), cq, ckv, 5, 5, True, None, 0],
         "mla_cache_info": lambda: [torch.empty(0)],
         "mla_rope": lambda: list(_rope_inputs(d)),
+        "mla_latent_forward": lambda: _latent_args(d),
+        "mla_latent_backward": lambda: _latent_args(d, backward=True),
     }[name]()
 
 

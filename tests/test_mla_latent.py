@@ -1,5 +1,5 @@
 """mla_latent_forward / _backward and mla_latent_attention (docs/mla.md#latent-parts), and Megatron's
-MLA layers handing MLACoreAttention q, kv and k_pe unconcatenated (docs/megatron.md#latent).
+MLA layers handing MLACoreAttention q, kv and k_pe unconcatenated (docs/megatron.md#mla-q-and-k-without-concatenation).
 
 The reference is the concatenation the op replaces: q = [q | q_pe], k = [k | k_pe in every head],
 attention by mla_forward_padded, gradients through torch.cat / expand."""
@@ -247,9 +247,22 @@ def test_megatron_layers_run_the_latent_path(device, monkeypatch):
         pytest.skip("needs an SM90 GPU")
     from verl_ops.integrations import megatron_mla
 
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     size = dataclasses.replace(lib.SIZES["tiny"], heads=2, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
+    created = not dist.is_initialized()
     lib.init_distributed(1, device)
+    try:
+        _compare_latent_and_concatenated(lib, megatron_mla, size, dtype, device, monkeypatch)
+    finally:  # (later tests of this process expect no process group of ours)
+        parallel_state.destroy_model_parallel()
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _compare_latent_and_concatenated(lib, megatron_mla, size, dtype, device, monkeypatch):
     config = lib.make_config(size, dtype=dtype, device=device)
     model = lib.build_model(config, "verl_ops", size=size, device=device)
     batch = lib.make_batch([37, 1, 90, 12], size.vocab, seed=4, device=device)

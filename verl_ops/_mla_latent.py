@@ -21,6 +21,7 @@ import os
 import torch
 
 from ._library import register_autograd
+from ._validate import INT32_MAX, check_plain, is_meta
 
 _ops = torch.ops.verl_ops
 
@@ -32,49 +33,141 @@ def _shared_k_pe(k_pe: torch.Tensor, hk: int) -> bool:
 
 
 # --------------------------------------------------------------------------------------------
+# Argument checks (the CPU kernels, the fake kernels and mla_latent_attention; the CUDA kernels
+# check the same in C++ and trust the offsets' values, as every CUDA op here).
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _lse_dtype(q):
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _check_offsets_values(op, name, cu, rows, max_seqlen, max_name):
+    c = cu.to(torch.int64)
+    if c.numel() == 0 or int(c[0]) != 0:
+        raise ValueError(f"{op}: {name} must start at 0, got {c[:1].tolist()}")
+    lengths = c[1:] - c[:-1]
+    if bool((lengths < 0).any()):
+        i = int(torch.nonzero(lengths < 0)[0])
+        raise ValueError(f"{op}: {name} must be non-decreasing, got {int(c[i])} then {int(c[i + 1])} at index {i}")
+    if int(c[-1]) != rows:
+        raise ValueError(f"{op}: {name}[-1]={int(c[-1])} must equal the number of rows {rows}")
+    if lengths.numel() and int(lengths.max()) > max_seqlen:
+        i = int(torch.argmax(lengths))
+        raise ValueError(f"{op}: sequence {i} has {int(lengths[i])} tokens, more than {max_name}={max_seqlen}")
+
+
+def check_parts(op, q, q_pe, k, k_pe, v, cu_q, cu_kv, max_q, max_kv, scale, *, host_values=False):
+    """The latent ops' arguments: shapes, dtypes, devices, offsets and scalars, each error naming
+    ``op`` and the argument. ``host_values``: the offsets' values too (CPU tensors)."""
+    parts = (("q", q, NOPE), ("q_pe", q_pe, ROPE), ("k", k, NOPE), ("k_pe", k_pe, ROPE), ("v", v, DV))
+    for name, t, _ in parts:
+        check_plain(op, name, t)
+    for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+        check_plain(op, name, t)
+    for name, t, d in parts:
+        if t.dim() != 3 or t.shape[2] != d:
+            raise ValueError(f"{op}: {name} must be 3-D [T, H, {d}] (MLA's head dims: q and k 128 + 64 rope, "
+                             f"v 128), got {tuple(t.shape)}")
+    if q.dtype not in _FLOATS:
+        raise ValueError(f"{op}: q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    for name, t, _ in parts[1:]:
+        if t.dtype != q.dtype:
+            raise ValueError(f"{op}: {name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}")
+    tq, hq, tk, hk = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
+    torch._check(q_pe.shape[0] == tq and q_pe.shape[1] == hq,
+                 lambda: f"{op}: q_pe must be [{tq}, {hq}, {ROPE}] like q's rows and heads, got {tuple(q_pe.shape)}")
+    torch._check(v.shape[0] == tk and v.shape[1] == hk,
+                 lambda: f"{op}: v must be [{tk}, {hk}, {DV}] like k's rows and heads, got {tuple(v.shape)}")
+    torch._check(k_pe.shape[0] == tk and (k_pe.shape[1] == 1 or k_pe.shape[1] == hk),
+                 lambda: f"{op}: k_pe must be [{tk}, 1, {ROPE}] (shared by every kv head) or [{tk}, {hk}, {ROPE}], "
+                         f"got {tuple(k_pe.shape)}")
+    torch._check(hk >= 1 and hq % hk == 0,
+                 lambda: f"{op}: q's heads ({hq}) must be a multiple of k's ({hk})")
+    for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
+        if cu.dtype != torch.int32:
+            raise ValueError(f"{op}: {name} must be int32, got {cu.dtype}")
+        if cu.dim() != 1 or cu.shape[0] < 1:
+            raise ValueError(f"{op}: {name} must be 1-D [B + 1], got {tuple(cu.shape)}")
+        if cu.device != q.device:
+            raise ValueError(f"{op}: {name} is on {cu.device} but q is on {q.device}")
+    torch._check(cu_q.shape[0] == cu_kv.shape[0],
+                 lambda: f"{op}: cu_seqlens_kv must have as many entries as cu_seqlens_q ({cu_q.shape[0]}), "
+                         f"got {cu_kv.shape[0]}")
+    for name, m in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
+        if _is_int(m) and not 0 <= m <= INT32_MAX:
+            raise ValueError(f"{op}: {name} must be in [0, {INT32_MAX}], got {m}")
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)
+                                  and math.isfinite(scale)):
+        raise ValueError(f"{op}: softmax_scale must be a finite float or None, got {scale!r}")
+    if host_values and not is_meta(cu_q) and cu_q.device.type == "cpu" and _is_int(max_q) and _is_int(max_kv):
+        _check_offsets_values(op, "cu_seqlens_q", cu_q, tq, max_q, "max_seqlen_q")
+        _check_offsets_values(op, "cu_seqlens_kv", cu_kv, tk, max_kv, "max_seqlen_kv")
+
+
+def check_backward_extras(op, grad_out, out, lse, q):
+    tq, hq = q.shape[0], q.shape[1]
+    for name, t in (("grad_out", grad_out), ("out", out), ("softmax_lse", lse)):
+        check_plain(op, name, t)
+    for name, t in (("grad_out", grad_out), ("out", out)):
+        if t.dim() != 3 or t.dtype != q.dtype or t.device != q.device:
+            raise ValueError(f"{op}: {name} must be a 3-D [Tq, Hq, {DV}] tensor of q's dtype and device, "
+                             f"got {tuple(t.shape)} {t.dtype} on {t.device}")
+        torch._check(t.shape[0] == tq and t.shape[1] == hq and t.shape[2] == DV,
+                     lambda name=name, t=t: f"{op}: {name} must be [{tq}, {hq}, {DV}], got {tuple(t.shape)}")
+    dt = _lse_dtype(q)
+    if lse.dim() != 2 or lse.dtype != dt or lse.device != q.device:
+        raise ValueError(f"{op}: softmax_lse must be a 2-D [Hq, Tq] tensor of dtype {dt} on q's device, "
+                         f"got {tuple(lse.shape)} {lse.dtype} on {lse.device}")
+    torch._check(lse.shape[0] == hq and lse.shape[1] == tq,
+                 lambda: f"{op}: softmax_lse must be [{hq}, {tq}], got {tuple(lse.shape)}")
+
+
+# --------------------------------------------------------------------------------------------
 # The raw ops: fake kernels, the CPU kernels (the concatenated reference) and autograd.
 
 
 @torch.library.register_fake("verl_ops::mla_latent_forward")
 def _forward_fake(q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                   causal=True, softmax_scale=None):
-    torch._check(q.dim() == 3 and q.shape[2] == NOPE, lambda: f"mla_latent_forward: q must be [Tq, Hq, {NOPE}]")
+    check_parts("mla_latent_forward", q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                max_seqlen_kv, softmax_scale)
     tq, hq = q.shape[0], q.shape[1]
     # softmax_lse: [Hq, Tq], the transpose of the kernels' [Tq, Hq] rows (no copy).
-    return q.new_empty((tq, hq, DV)), q.new_empty((tq, hq), dtype=torch.float32).transpose(0, 1)
+    return q.new_empty((tq, hq, DV)), q.new_empty((tq, hq), dtype=_lse_dtype(q)).transpose(0, 1)
 
 
 @torch.library.register_fake("verl_ops::mla_latent_backward")
 def _backward_fake(grad_out, q, q_pe, k, k_pe, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_kv,
                    max_seqlen_q, max_seqlen_kv, causal=True, softmax_scale=None):
+    op = "mla_latent_backward"
+    check_parts(op, q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale)
+    check_backward_extras(op, grad_out, out, softmax_lse, q)
     tq, hq = q.shape[0], q.shape[1]
     tk, hk = k.shape[0], k.shape[1]
     return (q.new_empty((tq, hq, NOPE + ROPE)), k.new_empty((tk, hk, NOPE + DV)),
             k.new_empty((tk, hk, ROPE)))
 
 
-def _concatenated(op, q, q_pe, k, k_pe, v):
-    """The parts' concatenation (the reference the CPU kernels compute on), shapes checked."""
-    for name, t, d in (("q", q, NOPE), ("q_pe", q_pe, ROPE), ("k", k, NOPE), ("k_pe", k_pe, ROPE), ("v", v, DV)):
-        if t.dim() != 3 or t.shape[2] != d:
-            raise ValueError(f"{op}: {name} must be 3-D [T, H, {d}], got {tuple(t.shape)}")
-        if t.dtype != q.dtype or t.device != q.device:
-            raise ValueError(f"{op}: {name} must have q's dtype and device, got {t.dtype} on {t.device}")
-    tq, hq, tk, hk = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
-    if tuple(q_pe.shape[:2]) != (tq, hq):
-        raise ValueError(f"{op}: q_pe must be [{tq}, {hq}, {ROPE}] like q's rows and heads, got {tuple(q_pe.shape)}")
-    if tuple(v.shape[:2]) != (tk, hk):
-        raise ValueError(f"{op}: v must be [{tk}, {hk}, {DV}] like k's rows and heads, got {tuple(v.shape)}")
-    if k_pe.shape[0] != tk or k_pe.shape[1] not in (1, hk):
-        raise ValueError(f"{op}: k_pe must be [{tk}, 1, {ROPE}] (shared by every kv head) or "
-                         f"[{tk}, {hk}, {ROPE}], got {tuple(k_pe.shape)}")
+def _concatenated(q, q_pe, k, k_pe):
+    """The parts' concatenation (the reference the CPU kernels compute on)."""
+    tk, hk = k.shape[0], k.shape[1]
     return torch.cat([q, q_pe], -1), torch.cat([k, k_pe.expand(tk, hk, ROPE)], -1)
 
 
 @torch.library.impl("verl_ops::mla_latent_forward", "CPU")
 def _forward_cpu(q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                  causal=True, softmax_scale=None):
-    qf, kf = _concatenated("mla_latent_forward", q, q_pe, k, k_pe, v)
+    check_parts("mla_latent_forward", q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
+                max_seqlen_kv, softmax_scale, host_values=True)
+    qf, kf = _concatenated(q, q_pe, k, k_pe)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(NOPE + ROPE)
     with torch._C._AutoDispatchBelowAutograd():
@@ -86,7 +179,11 @@ def _forward_cpu(q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q,
 @torch.library.impl("verl_ops::mla_latent_backward", "CPU")
 def _backward_cpu(grad_out, q, q_pe, k, k_pe, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_kv,
                   max_seqlen_q, max_seqlen_kv, causal=True, softmax_scale=None):
-    qf, kf = _concatenated("mla_latent_backward", q, q_pe, k, k_pe, v)
+    op = "mla_latent_backward"
+    check_parts(op, q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv, softmax_scale,
+                host_values=True)
+    check_backward_extras(op, grad_out, out, softmax_lse, q)
+    qf, kf = _concatenated(q, q_pe, k, k_pe)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(NOPE + ROPE)
     with torch._C._AutoDispatchBelowAutograd():
@@ -145,7 +242,7 @@ def latent_kernels_available(t: torch.Tensor) -> bool:
                     _ops.mla_latent_forward(z(1, 1, NOPE), z(1, 1, ROPE), z(1, 1, NOPE), z(1, 1, ROPE), z(1, 1, DV),
                                             cu, cu, 1, 1, True, None)
                 known = True
-            except RuntimeError:
+            except Exception:  # noqa: BLE001  (the op's error: no SM90 kernels here)
                 known = False
         _AVAILABLE[index] = known
     return known
@@ -206,6 +303,8 @@ def mla_latent_attention(q, kv, k_pe, rope_q: RopePlan, rope_k: RopePlan, cu_seq
     ``[k_nope | rope(k_pe)]`` and v. Gradients come back as ``q``'s, ``kv``'s and ``k_pe``'s, each in
     its own layout. On CUDA the SM90 kernels read every part in place (Hopper, float16 / bfloat16);
     elsewhere the parts are concatenated and :func:`verl_ops.mla_forward_padded` runs."""
+    _check_attention_args(q, kv, k_pe, rope_q, rope_k, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                          softmax_scale)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(NOPE + ROPE)
     if latent_kernels_available(q) or q.device.type == "cpu" and os.environ.get("VERL_OPS_MLA_LATENT_CPU") == "1":
@@ -216,6 +315,24 @@ def mla_latent_attention(q, kv, k_pe, rope_q: RopePlan, rope_k: RopePlan, cu_seq
 
     return mla_forward_padded(query, key, value, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
                               causal=True, softmax_scale=softmax_scale, validate=False)
+
+
+def _check_attention_args(q, kv, k_pe, rope_q, rope_k, cu_q, cu_kv, max_q, max_kv, scale):
+    op = "mla_latent_attention"
+    for name, t, d in (("q", q, NOPE + ROPE), ("kv", kv, NOPE + DV), ("k_pe", k_pe, ROPE)):
+        check_plain(op, name, t)
+        if t.dim() != 3 or t.shape[2] != d:
+            raise ValueError(f"{op}: {name} must be 3-D [T, H, {d}], got {tuple(t.shape)}")
+    for name, plan in (("rope_q", rope_q), ("rope_k", rope_k)):
+        if not isinstance(plan, RopePlan):
+            raise TypeError(f"{op}: {name} must be a verl_ops._mla_latent.RopePlan, got {type(plan).__name__}")
+    for name, m in (("max_seqlen_q", max_q), ("max_seqlen_kv", max_kv)):
+        if not (_is_int(m) or isinstance(m, torch.SymInt)):
+            raise ValueError(f"{op}: {name} must be an int, got {m!r} ({type(m).__name__})")
+    if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)):
+        raise ValueError(f"{op}: softmax_scale must be a float or None, got {scale!r}")
+    check_parts(op, q[..., :NOPE], q[..., NOPE:], kv[..., :NOPE], k_pe, kv[..., NOPE:], cu_q, cu_kv, max_q, max_kv,
+                scale, host_values=True)
 
 
 def concatenated_operands(q, kv, k_pe, rope_q: RopePlan, rope_k: RopePlan):

@@ -731,7 +731,7 @@ def _install_fast_rope() -> bool:
 
 
 # --------------------------------------------------------------------------------------------
-# MLA's q and k without concatenation (docs/megatron.md#latent)
+# MLA's q and k without concatenation (docs/megatron.md#mla-q-and-k-without-concatenation)
 # --------------------------------------------------------------------------------------------
 #
 # MultiLatentAttention.get_query_key_value_tensors up-projects q [t, n * 192] and kv [t, n * 256],
