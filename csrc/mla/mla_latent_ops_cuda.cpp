@@ -46,7 +46,9 @@ void check_cu(const char* op, const char* name, const Tensor& cu, const Tensor& 
 
 LatentSizes check_latent(const char* op, const Tensor& q, const Tensor& q_pe, const Tensor& k,
                          const Tensor& k_pe, const Tensor& v, const Tensor& cu_q, const Tensor& cu_kv,
-                         int64_t max_seqlen_q, int64_t max_seqlen_kv) {
+                         int64_t max_seqlen_q, int64_t max_seqlen_kv, const std::optional<double>& softmax_scale) {
+  VERL_CHECK(!softmax_scale.has_value() || std::isfinite(*softmax_scale), op,
+             ": softmax_scale must be a finite float or None, got ", softmax_scale.value_or(0.0));
   VERL_CHECK(!q.is_cpu(), op, ": q must be on a CUDA device (the CPU kernel is registered apart)");
   VERL_CHECK(q.scalar_type() == st::kBFloat16 || q.scalar_type() == st::kHalf, op,
              ": q must be float16 or bfloat16 on CUDA, got ", st::dtype_name(q.scalar_type()));
@@ -69,8 +71,11 @@ LatentSizes check_latent(const char* op, const Tensor& q, const Tensor& q_pe, co
              ")");
   VERL_CHECK(cu_kv.size(0) - 1 == s.batch, op, ": cu_seqlens_q and cu_seqlens_kv must have the same length, got ",
              cu_q.size(0), " and ", cu_kv.size(0));
-  VERL_CHECK(max_seqlen_q >= 0 && max_seqlen_kv >= 0, op, ": max_seqlen_q and max_seqlen_kv must be >= 0, got ",
-             max_seqlen_q, " and ", max_seqlen_kv);
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  VERL_CHECK(max_seqlen_q >= 0 && max_seqlen_q <= kInt32Max, op, ": max_seqlen_q must be in [0, ", kInt32Max,
+             "], got ", max_seqlen_q);
+  VERL_CHECK(max_seqlen_kv >= 0 && max_seqlen_kv <= kInt32Max, op, ": max_seqlen_kv must be in [0, ", kInt32Max,
+             "], got ", max_seqlen_kv);
   constexpr int64_t kInt32Rows = std::numeric_limits<int32_t>::max();
   VERL_CHECK(s.tq < kInt32Rows && s.tk < kInt32Rows, op, ": at most 2^31 - 2 rows (TMA coordinates), got ",
              s.tq, " and ", s.tk);
@@ -138,7 +143,8 @@ std::tuple<Tensor, Tensor> mla_latent_forward_cuda(const Tensor& q, const Tensor
   constexpr const char* op = "mla_latent_forward";
   const st::DeviceGuard guard(st::guard_index(q));
   const LatentSizes s =
-      check_latent(op, q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv);
+      check_latent(op, q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                   softmax_scale);
   const double scale = mla_softmax_scale(softmax_scale, 192);
   Tensor out = st::empty(q, {s.tq, s.hq, 128}, q.scalar_type());
   Tensor stats = st::empty(q, {s.tq, s.hq}, st::kFloat);  // returned as its [Hq, Tq] transpose (a view)
@@ -168,7 +174,8 @@ std::tuple<Tensor, Tensor, Tensor> mla_latent_backward_cuda(
   constexpr const char* op = "mla_latent_backward";
   const st::DeviceGuard guard(st::guard_index(q));
   const LatentSizes s =
-      check_latent(op, q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv);
+      check_latent(op, q, q_pe, k, k_pe, v, cu_seqlens_q, cu_seqlens_kv, max_seqlen_q, max_seqlen_kv,
+                   softmax_scale);
   for (const auto& [name, t] : {std::pair<const char*, const Tensor&>{"grad_out", grad_out}, {"out", out}}) {
     VERL_CHECK(t.dim() == 3 && t.size(0) == s.tq && t.size(1) == s.hq && t.size(2) == 128, op, ": ", name,
                " must be [", s.tq, ", ", s.hq, ", 128], got ", st::shape_of(t));
