@@ -541,6 +541,29 @@ def _cp_call(d, **kw):
     return verl_ops.mla_cp_attention(q, q, q[..., :4], _cu([0, 4], d), 4, **kw)
 
 
+def _lz(d, *shape, dtype=None):
+    """Zeros of MLA's dtype on ``d`` (float32 on the CPU, bfloat16 on CUDA) unless ``dtype``."""
+    return torch.zeros(shape, dtype=mla_dtype(d) if dtype is None else dtype, device=d)
+
+
+def _latent_api_inputs(d):
+    """A valid mla_latent_attention call's arguments: q [8, 2, 192], kv [8, 2, 256], k_pe [8, 1, 64],
+    RoPE plans (tables [9, 64], positions [8]), offsets [0, 3, 8], max_seqlen 5."""
+    from verl_ops._mla_latent import RopePlan
+
+    rope = RopePlan(_lz(d, 9, 64), _lz(d, 9, 64), torch.zeros(8, dtype=torch.int64, device=d), True)
+    return dict(q=_lz(d, 8, 2, 192), kv=_lz(d, 8, 2, 256), k_pe=_lz(d, 8, 1, 64), rope_q=rope, rope_k=rope,
+                cu_seqlens_q=_cu([0, 3, 8], d), cu_seqlens_kv=_cu([0, 3, 8], d),
+                max_seqlen_q=5, max_seqlen_kv=5)
+
+
+def _latent_call(d, **bad):
+    """mla_latent_attention on :func:`_latent_api_inputs`, the arguments named in ``bad`` replaced."""
+    args = _latent_api_inputs(d)
+    args.update(bad)
+    return verl_ops.mla_latent_attention(**args)
+
+
 ARG_CASES = [
     # mla_cp_attention: names checked before any collective (the same on every rank)
     Case("mla_cp_attention-cp_layout", "mla_cp_attention", "cp_layout", ValueError,
@@ -747,12 +770,93 @@ ARG_CASES = [
          "start at 0"),
     Case("mla-max_seqlen_small", "mla_forward_padded", "max_seqlen_q", ValueError,
          lambda d: mla_forward_padded(*mla_inputs(d), 3, 5, validate=True), "=3"),
-    # mla_latent_attention: no case yet. Every bad input tried is left out, its error not naming
-    # mla_latent_attention and the argument: q a list or None, rope_q None (AttributeError); q
-    # [8, 2, 160] or 2-D, k_pe [8, 1, 32], int32 / short positions, float64 cos (mla_rope: ...); kv
-    # rows 7, k_pe [8, 3, 64] (torch.cat / expand); int64 or nested cu_seqlens, max_seqlen 5.5 / -1,
-    # softmax_scale "0.5", float64 kv (mla_forward_padded: ...); nested q (mla_rope) or kv (SymIntArrayRef);
-    # kv [8, 2, 192] silently accepted (an output of 64 columns).
+    # mla_latent_attention (nested tensors and None: DENSE_API_CASES). The offsets' values (start,
+    # order, last entry, max_seqlen against the lengths) are read on the host only: CPU cases.
+    # Left out, their errors not naming kv (the argument) or mla_latent_attention (the op):
+    # - kv of another dtype than q (or q of another than kv): "mla_latent_attention: k must have q's
+    #   dtype torch.float32, got torch.float64" (k, the part of kv, not kv); kv on another device than
+    #   q: "k is on meta but q is on cpu"; kv with 3 heads for q's 2: "q's heads (2) must be a
+    #   multiple of k's (3)"; kv of 7 rows (k_pe 8): "k_pe must be [7, 1, 64] ... got (8, 1, 64)"
+    #   (blames k_pe, which is right).
+    # - a RopePlan whose contents do not fit (positions of another length than q's / k_pe's rows,
+    #   int32 positions, float64 tables with float32 q, tables [9, 32], a position past the table):
+    #   the error is mla_rope's ("mla_rope: positions must be [7] (one per row of x), got [8]"),
+    #   raised while computing, naming neither mla_latent_attention nor rope_q / rope_k.
+    Case("mla_latent_attention-q_head_dim", "mla_latent_attention", "q", ValueError,
+         lambda d: _latent_call(d, q=_lz(d, 8, 2, 160)), r"\[T, H, 192\], got \(8, 2, 160\)"),
+    Case("mla_latent_attention-q_2d", "mla_latent_attention", "q", ValueError,
+         lambda d: _latent_call(d, q=_lz(d, 8, 192)), r"3-D .*got \(8, 192\)"),
+    Case("mla_latent_attention-q_int", "mla_latent_attention", "q", ValueError,
+         lambda d: _latent_call(d, q=_lz(d, 8, 2, 192, dtype=torch.int32)),
+         "float16, bfloat16, float32 or float64"),
+    Case("mla_latent_attention-q_list", "mla_latent_attention", "q", TypeError,
+         lambda d: _latent_call(d, q=[1.0]), "must be a tensor, got list"),
+    Case("mla_latent_attention-q_heads", "mla_latent_attention", "q", RuntimeError,
+         lambda d: _latent_call(d, q=_lz(d, 8, 3, 192)), r"heads \(3\) must be a multiple"),
+    Case("mla_latent_attention-kv_head_dim", "mla_latent_attention", "kv", ValueError,
+         lambda d: _latent_call(d, kv=_lz(d, 8, 2, 192)), r"\[T, H, 256\], got \(8, 2, 192\)"),
+    Case("mla_latent_attention-kv_4d", "mla_latent_attention", "kv", ValueError,
+         lambda d: _latent_call(d, kv=_lz(d, 1, 8, 2, 256)), "3-D"),
+    Case("mla_latent_attention-k_pe_head_dim", "mla_latent_attention", "k_pe", ValueError,
+         lambda d: _latent_call(d, k_pe=_lz(d, 8, 1, 32)), r"\[T, H, 64\], got \(8, 1, 32\)"),
+    Case("mla_latent_attention-k_pe_heads", "mla_latent_attention", "k_pe", RuntimeError,
+         lambda d: _latent_call(d, k_pe=_lz(d, 8, 3, 64)),
+         re.escape("[8, 1, 64] (shared by every kv head) or [8, 2, 64]")),
+    Case("mla_latent_attention-k_pe_rows", "mla_latent_attention", "k_pe", RuntimeError,
+         lambda d: _latent_call(d, k_pe=_lz(d, 7, 1, 64)), r"got \(7, 1, 64\)"),
+    Case("mla_latent_attention-k_pe_dtype", "mla_latent_attention", "k_pe", ValueError,
+         lambda d: _latent_call(d, k_pe=_lz(d, 8, 1, 64, dtype=torch.float64)), "q's dtype"),
+    Case("mla_latent_attention-rope_q_none", "mla_latent_attention", "rope_q", TypeError,
+         lambda d: _latent_call(d, rope_q=None), "RopePlan, got NoneType"),
+    Case("mla_latent_attention-rope_k_tuple", "mla_latent_attention", "rope_k", TypeError,
+         lambda d: _latent_call(d, rope_k=(_lz(d, 9, 64), _lz(d, 9, 64))), "RopePlan, got tuple"),
+    Case("mla_latent_attention-rope_k_tensor", "mla_latent_attention", "rope_k", TypeError,
+         lambda d: _latent_call(d, rope_k=_lz(d, 9, 64)), "RopePlan, got Tensor"),
+    Case("mla_latent_attention-cu_int64", "mla_latent_attention", "cu_seqlens_q", ValueError,
+         lambda d: _latent_call(d, cu_seqlens_q=_cu([0, 3, 8], d, torch.int64)), "int32, got torch.int64"),
+    Case("mla_latent_attention-cu_float", "mla_latent_attention", "cu_seqlens_kv", ValueError,
+         lambda d: _latent_call(d, cu_seqlens_kv=_cu([0, 3, 8], d, torch.float32)),
+         "int32, got torch.float32"),
+    Case("mla_latent_attention-cu_2d", "mla_latent_attention", "cu_seqlens_kv", ValueError,
+         lambda d: _latent_call(d, cu_seqlens_kv=_cu([[0, 3, 8]], d)), r"1-D \[B \+ 1\], got \(1, 3\)"),
+    Case("mla_latent_attention-cu_empty", "mla_latent_attention", "cu_seqlens_q", ValueError,
+         lambda d: _latent_call(d, cu_seqlens_q=_cu([], d), cu_seqlens_kv=_cu([], d)), r"1-D .*got \(0,\)"),
+    Case("mla_latent_attention-cu_entries", "mla_latent_attention", "cu_seqlens_kv", RuntimeError,
+         lambda d: _latent_call(d, cu_seqlens_kv=_cu([0, 3, 5, 8], d)),
+         r"as many entries as cu_seqlens_q \(3\), got 4"),
+    Case("mla_latent_attention-cu_not_at_0", "mla_latent_attention", "cu_seqlens_q", ValueError,
+         lambda d: _latent_call(d, cu_seqlens_q=_cu([1, 3, 8], d)), "start at 0", devices="cpu"),
+    Case("mla_latent_attention-cu_decreasing", "mla_latent_attention", "cu_seqlens_kv", ValueError,
+         lambda d: _latent_call(d, cu_seqlens_q=_cu([0, 3, 5, 8], d), cu_seqlens_kv=_cu([0, 5, 3, 8], d)),
+         "non-decreasing, got 5 then 3", devices="cpu"),
+    Case("mla_latent_attention-cu_last", "mla_latent_attention", "cu_seqlens_q", ValueError,
+         lambda d: _latent_call(d, cu_seqlens_q=_cu([0, 3, 7], d)), "=7 must equal the number of rows 8",
+         devices="cpu"),
+    Case("mla_latent_attention-cu_kv_rows", "mla_latent_attention", "cu_seqlens_kv", ValueError,
+         lambda d: _latent_call(d, kv=_lz(d, 7, 2, 256), k_pe=_lz(d, 7, 1, 64)),
+         "=8 must equal the number of rows 7", devices="cpu"),
+    Case("mla_latent_attention-max_seqlen_negative", "mla_latent_attention", "max_seqlen_kv", ValueError,
+         lambda d: _latent_call(d, max_seqlen_kv=-1), "got -1"),
+    Case("mla_latent_attention-max_seqlen_2**40", "mla_latent_attention", "max_seqlen_q", ValueError,
+         lambda d: _latent_call(d, max_seqlen_q=2**40), "2147483647"),
+    Case("mla_latent_attention-max_seqlen_float", "mla_latent_attention", "max_seqlen_q", ValueError,
+         lambda d: _latent_call(d, max_seqlen_q=5.5), "must be an int, got 5.5"),
+    Case("mla_latent_attention-max_seqlen_bool", "mla_latent_attention", "max_seqlen_kv", ValueError,
+         lambda d: _latent_call(d, max_seqlen_kv=True), "must be an int, got True"),
+    Case("mla_latent_attention-max_seqlen_none", "mla_latent_attention", "max_seqlen_q", ValueError,
+         lambda d: _latent_call(d, max_seqlen_q=None), "must be an int, got None"),
+    Case("mla_latent_attention-max_seqlen_small", "mla_latent_attention", "max_seqlen_q", ValueError,
+         lambda d: _latent_call(d, max_seqlen_q=3), "=3", devices="cpu"),
+    Case("mla_latent_attention-max_seqlen_kv_small", "mla_latent_attention", "max_seqlen_kv", ValueError,
+         lambda d: _latent_call(d, max_seqlen_kv=4), "=4", devices="cpu"),
+    Case("mla_latent_attention-softmax_scale_nan", "mla_latent_attention", "softmax_scale", ValueError,
+         lambda d: _latent_call(d, softmax_scale=float("nan")), "finite"),
+    Case("mla_latent_attention-softmax_scale_inf", "mla_latent_attention", "softmax_scale", ValueError,
+         lambda d: _latent_call(d, softmax_scale=float("inf")), "finite"),
+    Case("mla_latent_attention-softmax_scale_str", "mla_latent_attention", "softmax_scale", ValueError,
+         lambda d: _latent_call(d, softmax_scale="0.5"), "float or None, got '0.5'"),
+    Case("mla_latent_attention-softmax_scale_bool", "mla_latent_attention", "softmax_scale", ValueError,
+         lambda d: _latent_call(d, softmax_scale=True), "float or None, got True"),
     # drop-ins
     Case("preprocess_packed_seqs-mask_0d", "preprocess_packed_seqs", "attention_mask", ValueError,
          lambda d: verl_dropins.preprocess_packed_seqs(torch.zeros(2, 5, device=d), torch.tensor(True, device=d)),
@@ -868,16 +972,18 @@ def _raw_mla_bwd(d, *, backend=0, grad=None, lse=None):
 _LATENT_ARGS = ("q", "q_pe", "k", "k_pe", "v", "cu_seqlens_q", "cu_seqlens_kv")
 
 
-def _latent_args(d, backward=False, **bad):
+def _latent_args(d, backward=False, *, grad_out=None, out=None, softmax_lse=None, max_seqlen_q=5,
+                 max_seqlen_kv=5, softmax_scale=None, **bad):
     """A valid positional mla_latent_forward (or _backward: grad_out and out zeros [8, 2, 128],
-    softmax_lse zeros [2, 8]) call, the arguments named in ``bad`` replaced."""
+    softmax_lse zeros [2, 8]) call, the arguments named in ``bad`` (and the keywords) replaced."""
     args = dict(zip(_LATENT_ARGS, latent_inputs(d)))
     args.update(bad)
     a = list(args.values())
     if backward:
-        out = torch.zeros(8, 2, 128, dtype=mla_dtype(d), device=d)
-        a = [out.clone(), *a[:5], out, torch.zeros(2, 8, device=d), *a[5:]]
-    return a + [5, 5, True, None]
+        zero_out = torch.zeros(8, 2, 128, dtype=mla_dtype(d), device=d)
+        a = [zero_out.clone() if grad_out is None else grad_out, *a[:5], zero_out if out is None else out,
+             torch.zeros(2, 8, device=d) if softmax_lse is None else softmax_lse, *a[5:]]
+    return a + [max_seqlen_q, max_seqlen_kv, True, softmax_scale]
 
 
 def _raw_latent(d, **bad):
@@ -1245,13 +1351,12 @@ RAW_CASES = [
     Case("raw-mla_cache_info-capacity_negative", "mla_cache_info", "capacity", RT,
          lambda d: ops.mla_cache_info(torch.empty(0), -2), "-2", devices="cpu"),
     # mla_latent_forward / mla_latent_backward (q [Tq, Hq, 128], q_pe [Tq, Hq, 64], k [Tk, Hk, 128],
-    # k_pe [Tk, 1 or Hk, 64], v [Tk, Hk, 128]). The CPU kernel is Python (ValueError), CUDA's C++
-    # (RuntimeError). Left out, as their messages name mla_forward_padded / mla_backward_padded (the
-    # CPU kernel's reference) instead of the op: cu_seqlens int64 / not at 0 / decreasing / 2-D /
-    # of other lengths, max_seqlen -1 / 2**40 / too small, softmax_scale nan, integer parts, q heads
-    # not a multiple of k's, and the backward's grad_out / out / softmax_lse shapes. Left out as
-    # silently accepted on Meta (the fake kernels check q's shape only): q_pe / k / k_pe / v shapes,
-    # max_seqlen -1, int64 cu_seqlens, a nan softmax_scale, and one Meta tensor among CPU ones.
+    # k_pe [Tk, 1 or Hk, 64], v [Tk, Hk, 128]). The CPU and fake (Meta) kernels check in Python
+    # (verl_ops/_mla_latent.py: ValueError, RuntimeError for the shapes checked with torch._check),
+    # CUDA's in C++ (RuntimeError). Host-only (CPU cases): the offsets' values (start, order, last
+    # entry, max_seqlen against the lengths), which the CUDA kernels trust and Meta has none of, and
+    # the backward's grad_out / out / softmax_lse, which CUDA checks after the SM90 kernels'
+    # availability (a GPU without them gets that error first).
     Case("raw-mla_latent_forward-q_2d", "mla_latent_forward", "q", (ValueError, RT),
          lambda d: _raw_latent(d, q=torch.zeros(8, 128, dtype=mla_dtype(d), device=d)), "3-D"),
     Case("raw-mla_latent_forward-q_head_dim", "mla_latent_forward", "q", (ValueError, RT),
@@ -1275,10 +1380,56 @@ RAW_CASES = [
          "like k's rows and heads"),
     Case("raw-mla_latent_forward-v_head_dim", "mla_latent_forward", "v", (ValueError, RT),
          lambda d: _raw_latent(d, v=torch.zeros(8, 2, 64, dtype=mla_dtype(d), device=d)), "128.*64"),
-    Case("raw-mla_latent_forward-meta_q_head_dim", "mla_latent_forward", "q", RT,
-         lambda d: _raw_latent("meta", q=torch.zeros(8, 2, 96, device="meta")), r"\[Tq, Hq, 128\]", "cpu"),
-    Case("raw-mla_latent_forward-meta_q_2d", "mla_latent_forward", "q", RT,
-         lambda d: _raw_latent("meta", q=torch.zeros(8, 128, device="meta")), devices="cpu"),
+    Case("raw-mla_latent_forward-q_int", "mla_latent_forward", "q", (ValueError, RT),
+         lambda d: _raw_latent(d, q=torch.zeros(8, 2, 128, dtype=torch.int32, device=d)), "float16"),
+    Case("raw-mla_latent_forward-q_heads", "mla_latent_forward", "q", (ValueError, RT),
+         lambda d: _raw_latent(d, q=_lz(d, 8, 3, 128), q_pe=_lz(d, 8, 3, 64)),
+         r"heads \(3\) must be a multiple"),
+    Case("raw-mla_latent_forward-cu_seqlens_q_int64", "mla_latent_forward", "cu_seqlens_q", (ValueError, RT),
+         lambda d: _raw_latent(d, cu_seqlens_q=_i64([0, 3, 8], d)), "int32"),
+    Case("raw-mla_latent_forward-cu_seqlens_kv_2d", "mla_latent_forward", "cu_seqlens_kv", (ValueError, RT),
+         lambda d: _raw_latent(d, cu_seqlens_kv=_cu([[0, 3, 8]], d)), r"1-D \[B \+ 1\]"),
+    Case("raw-mla_latent_forward-cu_seqlens_kv_entries", "mla_latent_forward", "cu_seqlens_kv", RT,
+         lambda d: _raw_latent(d, cu_seqlens_kv=_cu([0, 3, 5, 8], d)), "as many entries|same length"),
+    Case("raw-mla_latent_forward-cu_seqlens_kv_not_at_0", "mla_latent_forward", "cu_seqlens_kv", ValueError,
+         lambda d: _raw_latent(d, cu_seqlens_kv=_cu([1, 3, 8], d)), r"start at 0, got \[1\]", devices="cpu"),
+    Case("raw-mla_latent_forward-cu_seqlens_q_decreasing", "mla_latent_forward", "cu_seqlens_q", ValueError,
+         lambda d: _raw_latent(d, cu_seqlens_q=_cu([0, 5, 3, 8], d), cu_seqlens_kv=_cu([0, 5, 3, 8], d)),
+         "non-decreasing, got 5 then 3 at index 1", devices="cpu"),
+    Case("raw-mla_latent_forward-cu_seqlens_kv_last", "mla_latent_forward", "cu_seqlens_kv", ValueError,
+         lambda d: _raw_latent(d, cu_seqlens_kv=_cu([0, 3, 7], d)), "=7 must equal the number of rows 8",
+         devices="cpu"),
+    Case("raw-mla_latent_forward-max_seqlen_q_small", "mla_latent_forward", "max_seqlen_q", ValueError,
+         lambda d: _raw_latent(d, max_seqlen_q=3), "=3", devices="cpu"),
+    Case("raw-mla_latent_forward-max_seqlen_kv_-1", "mla_latent_forward", "max_seqlen_kv", (ValueError, RT),
+         lambda d: _raw_latent(d, max_seqlen_kv=-1), r"\[0, 2147483647\], got -1"),
+    Case("raw-mla_latent_forward-max_seqlen_q_2**40", "mla_latent_forward", "max_seqlen_q", (ValueError, RT),
+         lambda d: _raw_latent(d, max_seqlen_q=2**40), r"\[0, 2147483647\]"),
+    Case("raw-mla_latent_forward-softmax_scale_nan", "mla_latent_forward", "softmax_scale", (ValueError, RT),
+         lambda d: _raw_latent(d, softmax_scale=float("nan")), "finite"),
+    # Meta: the fake kernel's checks (shapes, dtypes, devices, scalars; no values to read).
+    Case("raw-mla_latent_forward-meta_q_head_dim", "mla_latent_forward", "q", ValueError,
+         lambda d: _raw_latent("meta", q=_lz("meta", 8, 2, 96)), r"\[T, H, 128\] .*got \(8, 2, 96\)", "cpu"),
+    Case("raw-mla_latent_forward-meta_q_2d", "mla_latent_forward", "q", ValueError,
+         lambda d: _raw_latent("meta", q=_lz("meta", 8, 128)), r"3-D .*got \(8, 128\)", devices="cpu"),
+    Case("raw-mla_latent_forward-meta_k_pe_heads", "mla_latent_forward", "k_pe", RT,
+         lambda d: _raw_latent("meta", k_pe=_lz("meta", 8, 3, 64)), "shared by every kv head", devices="cpu"),
+    Case("raw-mla_latent_forward-meta_v_rows", "mla_latent_forward", "v", RT,
+         lambda d: _raw_latent("meta", v=_lz("meta", 7, 2, 128)), "like k's rows and heads", devices="cpu"),
+    Case("raw-mla_latent_forward-meta_cu_seqlens_q_int64", "mla_latent_forward", "cu_seqlens_q", ValueError,
+         lambda d: _raw_latent("meta", cu_seqlens_q=_i64([0, 3, 8], "meta")), "int32", devices="cpu"),
+    Case("raw-mla_latent_forward-meta_max_seqlen_q_-1", "mla_latent_forward", "max_seqlen_q", ValueError,
+         lambda d: _raw_latent("meta", max_seqlen_q=-1), "got -1", devices="cpu"),
+    Case("raw-mla_latent_forward-meta_softmax_scale_nan", "mla_latent_forward", "softmax_scale", ValueError,
+         lambda d: _raw_latent("meta", softmax_scale=float("nan")), "finite", devices="cpu"),
+    Case("raw-mla_latent_forward-meta_among_cpu", "mla_latent_forward", "k_pe", ValueError,
+         lambda d: _raw_latent(d, k_pe=_lz("meta", 8, 1, 64, dtype=torch.float32)),
+         "is on meta but q is on cpu", devices="cpu"),
+    Case("raw-mla_latent_backward-meta_softmax_lse_shape", "mla_latent_backward", "softmax_lse", RT,
+         lambda d: _raw_latent_bwd("meta", softmax_lse=_lz("meta", 8, 2, dtype=torch.float32)),
+         r"\[2, 8\], got \(8, 2\)", devices="cpu"),
+    Case("raw-mla_latent_backward-meta_grad_out_shape", "mla_latent_backward", "grad_out", RT,
+         lambda d: _raw_latent_bwd("meta", grad_out=_lz("meta", 8, 2, 64)), r"\[8, 2, 128\]", devices="cpu"),
     Case("raw-mla_latent_backward-q_head_dim", "mla_latent_backward", "q", (ValueError, RT),
          lambda d: _raw_latent_bwd(d, q=torch.zeros(8, 2, 96, dtype=mla_dtype(d), device=d)), "128.*96"),
     Case("raw-mla_latent_backward-k_pe_heads", "mla_latent_backward", "k_pe", (ValueError, RT),
@@ -1289,6 +1440,36 @@ RAW_CASES = [
          "like k's rows and heads"),
     Case("raw-mla_latent_backward-q_pe_dtype", "mla_latent_backward", "q_pe", (ValueError, RT),
          lambda d: _raw_latent_bwd(d, q_pe=torch.zeros(8, 2, 64, dtype=torch.float64, device=d))),
+    Case("raw-mla_latent_backward-cu_seqlens_kv_int64", "mla_latent_backward", "cu_seqlens_kv",
+         (ValueError, RT),
+         lambda d: _raw_latent_bwd(d, cu_seqlens_kv=_i64([0, 3, 8], d)), "int32"),
+    Case("raw-mla_latent_backward-softmax_scale_nan", "mla_latent_backward", "softmax_scale",
+         (ValueError, RT),
+         lambda d: _raw_latent_bwd(d, softmax_scale=float("nan")), "finite"),
+    Case("raw-mla_latent_backward-cu_seqlens_q_not_at_0", "mla_latent_backward", "cu_seqlens_q", ValueError,
+         lambda d: _raw_latent_bwd(d, cu_seqlens_q=_cu([1, 3, 8], d)), "start at 0", devices="cpu"),
+    Case("raw-mla_latent_backward-max_seqlen_kv_small", "mla_latent_backward", "max_seqlen_kv", ValueError,
+         lambda d: _raw_latent_bwd(d, max_seqlen_kv=4), "=4", devices="cpu"),
+    Case("raw-mla_latent_backward-grad_out_shape", "mla_latent_backward", "grad_out", (ValueError, RT),
+         lambda d: _raw_latent_bwd(d, grad_out=_lz(d, 8, 2, 64)), r"\[8, 2, 128\], got \(8, 2, 64\)",
+         devices="cpu"),
+    Case("raw-mla_latent_backward-grad_out_2d", "mla_latent_backward", "grad_out", ValueError,
+         lambda d: _raw_latent_bwd(d, grad_out=_lz(d, 8, 256)), r"3-D .*got \(8, 256\)", devices="cpu"),
+    Case("raw-mla_latent_backward-out_rows", "mla_latent_backward", "out", (ValueError, RT),
+         lambda d: _raw_latent_bwd(d, out=_lz(d, 7, 2, 128)), r"\[8, 2, 128\], got \(7, 2, 128\)",
+         devices="cpu"),
+    Case("raw-mla_latent_backward-out_dtype", "mla_latent_backward", "out", ValueError,
+         lambda d: _raw_latent_bwd(d, out=_lz(d, 8, 2, 128, dtype=torch.float64)), "q's dtype",
+         devices="cpu"),
+    Case("raw-mla_latent_backward-softmax_lse_dtype", "mla_latent_backward", "softmax_lse", ValueError,
+         lambda d: _raw_latent_bwd(d, softmax_lse=_lz(d, 2, 8, dtype=torch.float64)), "dtype torch.float32",
+         devices="cpu"),
+    Case("raw-mla_latent_backward-softmax_lse_shape", "mla_latent_backward", "softmax_lse", RT,
+         lambda d: _raw_latent_bwd(d, softmax_lse=_lz(d, 8, 2, dtype=torch.float32)),
+         r"\[2, 8\], got \(8, 2\)", devices="cpu"),
+    Case("raw-mla_latent_backward-softmax_lse_1d", "mla_latent_backward", "softmax_lse", ValueError,
+         lambda d: _raw_latent_bwd(d, softmax_lse=_lz(d, 16, dtype=torch.float32)), r"2-D \[Hq, Tq\]",
+         devices="cpu"),
 ]
 
 @pytest.mark.parametrize("case, device", params(RAW_CASES))
@@ -1565,6 +1746,18 @@ DENSE_API_CASES = [
          lambda d, arg=arg, form=form: _cp_attention(d, **{arg: _bad_form(form, mla_inputs(d)[i], d)}),
          "must be a tensor, got NoneType" if form == "None" else r"must be a plain \(strided\) tensor")
     for i, arg in enumerate(("q", "k", "v", "cu_seqlens_padded"))
+    for form in _BAD_FORMS
+]
+
+# mla_latent_attention: a nested tensor (ValueError) or None (TypeError) for each tensor argument.
+DENSE_API_CASES += [
+    Case(f"mla_latent_attention-{arg}-{form}", "mla_latent_attention", arg,
+         TypeError if form == "None" else ValueError,
+         lambda d, arg=arg, form=form: _latent_call(
+             d, **{arg: _bad_form(form, _latent_api_inputs(d)[arg], d)}),
+         "must be a tensor, got NoneType" if form == "None"
+         else r"must be a plain \(strided\) tensor, got a nested")
+    for arg in ("q", "kv", "k_pe", "cu_seqlens_q", "cu_seqlens_kv")
     for form in _BAD_FORMS
 ]
 

@@ -179,8 +179,10 @@ def test_mla_latent_attention_equals_megatron_concatenation(device, monkeypatch)
 @pytest.mark.parametrize("views", [True, False])
 def test_cuda_sm90_equals_dense_kernels(dtype, lengths, shared, views):
     """The parts through their own tensor maps give what the same SM90 kernels give on the
-    concatenated, contiguous operands (mla_forward_padded's varlen backend): bit for bit forward,
-    and the backward's gradients the same up to the sum of k_pe's gradient over heads."""
+    concatenated, contiguous operands (mla_forward_padded's varlen backend): bit for bit forward and
+    for the gradients of k and v (each CTA's own registers); dq is summed over key blocks with
+    atomic adds in either case, so its rounding follows their order (within a few ulp), and k_pe's
+    gradient is summed over the heads outside the kernel."""
     if not _sm90():
         pytest.skip("needs an SM90 GPU")
     h = 4
@@ -195,8 +197,11 @@ def test_cuda_sm90_equals_dense_kernels(dtype, lengths, shared, views):
     ref.backward(g)
     assert torch.equal(out, ref), (out.float() - ref.float()).abs().max()
     assert torch.equal(lse, ref_lse)
-    for name, a, b in zip(("q", "q_pe", "k", "v"), (grads[0], grads[1], grads[2], grads[4]), (q.grad, q_pe.grad, k.grad, v.grad)):
+    for name, a, b in zip(("k", "v"), (grads[2], grads[4]), (k.grad, v.grad)):
         assert torch.equal(a, b), f"grad of {name}: {(a.float() - b.float()).abs().max()}"
+    for name, a, b in zip(("q", "q_pe"), grads[:2], (q.grad, q_pe.grad)):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-4,
+                                   msg=lambda m, name=name: f"grad of {name}: {m}")
     torch.testing.assert_close(grads[3].float(), k_pe.grad.float(), rtol=1e-2, atol=1e-2)
     ref32, ref32_grads = _reference([p.cpu() for p in parts], cu.cpu(), m, g.cpu())
     torch.testing.assert_close(out.float().cpu(), ref32, rtol=2e-2, atol=2e-2)
@@ -252,6 +257,8 @@ def test_megatron_layers_run_the_latent_path(device, monkeypatch):
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     size = dataclasses.replace(lib.SIZES["tiny"], heads=2, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
+    # megatron-core's @jit_fuser functions eagerly (as every Megatron test here runs them; restored after)
+    monkeypatch.setattr(torch._dynamo.config, "disable", True)
     created = not dist.is_initialized()
     lib.init_distributed(1, device)
     try:

@@ -62,10 +62,16 @@ def _check_offsets_values(op, name, cu, rows, max_seqlen, max_name):
         raise ValueError(f"{op}: sequence {i} has {int(lengths[i])} tokens, more than {max_name}={max_seqlen}")
 
 
-def check_parts(op, q, q_pe, k, k_pe, v, cu_q, cu_kv, max_q, max_kv, scale, *, host_values=False):
+_PART_NAMES = ("q", "q_pe", "k", "k_pe", "v")
+
+
+def check_parts(op, q, q_pe, k, k_pe, v, cu_q, cu_kv, max_q, max_kv, scale, *, host_values=False,
+                names=_PART_NAMES):
     """The latent ops' arguments: shapes, dtypes, devices, offsets and scalars, each error naming
-    ``op`` and the argument. ``host_values``: the offsets' values too (CPU tensors)."""
-    parts = (("q", q, NOPE), ("q_pe", q_pe, ROPE), ("k", k, NOPE), ("k_pe", k_pe, ROPE), ("v", v, DV))
+    ``op`` and the argument (``names``: what to call the five parts). ``host_values``: the offsets'
+    values too (CPU tensors)."""
+    nq, nqp, nk, nkp, nv = names
+    parts = ((nq, q, NOPE), (nqp, q_pe, ROPE), (nk, k, NOPE), (nkp, k_pe, ROPE), (nv, v, DV))
     for name, t, _ in parts:
         check_plain(op, name, t)
     for name, t in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
@@ -75,22 +81,22 @@ def check_parts(op, q, q_pe, k, k_pe, v, cu_q, cu_kv, max_q, max_kv, scale, *, h
             raise ValueError(f"{op}: {name} must be 3-D [T, H, {d}] (MLA's head dims: q and k 128 + 64 rope, "
                              f"v 128), got {tuple(t.shape)}")
     if q.dtype not in _FLOATS:
-        raise ValueError(f"{op}: q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+        raise ValueError(f"{op}: {nq} must be float16, bfloat16, float32 or float64, got {q.dtype}")
     for name, t, _ in parts[1:]:
         if t.dtype != q.dtype:
-            raise ValueError(f"{op}: {name} must have q's dtype {q.dtype}, got {t.dtype}")
+            raise ValueError(f"{op}: {name} must have {nq}'s dtype {q.dtype}, got {t.dtype}")
         if t.device != q.device:
-            raise ValueError(f"{op}: {name} is on {t.device} but q is on {q.device}")
+            raise ValueError(f"{op}: {name} is on {t.device} but {nq} is on {q.device}")
     tq, hq, tk, hk = q.shape[0], q.shape[1], k.shape[0], k.shape[1]
     torch._check(q_pe.shape[0] == tq and q_pe.shape[1] == hq,
-                 lambda: f"{op}: q_pe must be [{tq}, {hq}, {ROPE}] like q's rows and heads, got {tuple(q_pe.shape)}")
+                 lambda: f"{op}: {nqp} must be [{tq}, {hq}, {ROPE}] like {nq}'s rows and heads, got {tuple(q_pe.shape)}")
     torch._check(v.shape[0] == tk and v.shape[1] == hk,
-                 lambda: f"{op}: v must be [{tk}, {hk}, {DV}] like k's rows and heads, got {tuple(v.shape)}")
+                 lambda: f"{op}: {nv} must be [{tk}, {hk}, {DV}] like {nk}'s rows and heads, got {tuple(v.shape)}")
     torch._check(k_pe.shape[0] == tk and (k_pe.shape[1] == 1 or k_pe.shape[1] == hk),
-                 lambda: f"{op}: k_pe must be [{tk}, 1, {ROPE}] (shared by every kv head) or [{tk}, {hk}, {ROPE}], "
-                         f"got {tuple(k_pe.shape)}")
+                 lambda: f"{op}: {nkp} must be [{tk}, 1, {ROPE}] (shared by every kv head) or [{tk}, {hk}, {ROPE}] "
+                         f"({nk} has {tk} rows and {hk} heads), got {tuple(k_pe.shape)}")
     torch._check(hk >= 1 and hq % hk == 0,
-                 lambda: f"{op}: q's heads ({hq}) must be a multiple of k's ({hk})")
+                 lambda: f"{op}: {nq}'s heads ({hq}) must be a multiple of {nk}'s ({hk})")
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
         if cu.dtype != torch.int32:
             raise ValueError(f"{op}: {name} must be int32, got {cu.dtype}")
@@ -331,8 +337,35 @@ def _check_attention_args(q, kv, k_pe, rope_q, rope_k, cu_q, cu_kv, max_q, max_k
             raise ValueError(f"{op}: {name} must be an int, got {m!r} ({type(m).__name__})")
     if scale is not None and not (isinstance(scale, (int, float)) and not isinstance(scale, bool)):
         raise ValueError(f"{op}: softmax_scale must be a float or None, got {scale!r}")
+    if q.dtype not in _FLOATS:
+        raise ValueError(f"{op}: q must be float16, bfloat16, float32 or float64, got {q.dtype}")
+    if kv.dtype != q.dtype:
+        raise ValueError(f"{op}: kv must have q's dtype {q.dtype}, got {kv.dtype}")
+    if kv.device != q.device:
+        raise ValueError(f"{op}: kv is on {kv.device} but q is on {q.device}")
     check_parts(op, q[..., :NOPE], q[..., NOPE:], kv[..., :NOPE], k_pe, kv[..., NOPE:], cu_q, cu_kv, max_q, max_kv,
-                scale, host_values=True)
+                scale, host_values=True, names=("q", "q", "kv", "k_pe", "kv"))
+    for name, plan, rows in (("rope_q", rope_q, q.shape[0]), ("rope_k", rope_k, k_pe.shape[0])):
+        pos, tables = plan.positions, (("cos", plan.cos), ("sin", plan.sin))
+        for what, t in (("positions", pos), *tables):
+            check_plain(op, f"{name}.{what}", t)
+            if t.device != q.device:
+                raise ValueError(f"{op}: {name}.{what} is on {t.device} but q is on {q.device}")
+        if pos.dtype != torch.int64 or pos.dim() != 1 or pos.shape[0] != rows:
+            raise ValueError(f"{op}: {name}.positions must be int64 [{rows}] (one per row), got {pos.dtype} "
+                             f"{tuple(pos.shape)}")
+        for what, t in tables:
+            if t.dim() != 2 or t.shape[1] != ROPE or t.dtype != q.dtype:
+                raise ValueError(f"{op}: {name}.{what} must be [table_rows, {ROPE}] in q's dtype {q.dtype}, got "
+                                 f"{t.dtype} {tuple(t.shape)}")
+        if plan.cos.shape != plan.sin.shape:
+            raise ValueError(f"{op}: {name}.cos and .sin must have one shape, got {tuple(plan.cos.shape)} and "
+                             f"{tuple(plan.sin.shape)}")
+        if pos.device.type == "cpu" and not is_meta(pos) and pos.numel():
+            lo, hi = int(pos.min()), int(pos.max())
+            if lo < 0 or hi >= plan.cos.shape[0]:
+                raise ValueError(f"{op}: {name}.positions must lie in [0, {plan.cos.shape[0]}) (the table's rows), "
+                                 f"got [{lo}, {hi}]")
 
 
 def concatenated_operands(q, kv, k_pe, rope_q: RopePlan, rope_k: RopePlan):
