@@ -6,6 +6,7 @@
 # verl_fa4 where /tmp/fa4/PYTHONPATH exists). Each part capped; logs to ${OUT:-./gpu_out}.
 #
 #   OUT=/some/dir bash benchmarks/device/gpu_latent.sh
+#   OUT=/some/dir MCORE=0.19.2 TESTS=tests/test_mla_latent.py MEMCHECK=0 bash benchmarks/device/gpu_latent.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
@@ -16,11 +17,11 @@ grep -E "^==|megatron-core|verl_ops " "$OUT/setup.log" | head -8
 export PYTHONPATH="$PWD:/tmp/mcore-$MCORE"
 [ -f /tmp/fa4/PYTHONPATH ] && export PYTHONPATH="$PYTHONPATH:$(cat /tmp/fa4/PYTHONPATH)"
 t0=$(date +%s)
-timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rfE tests/test_mla_latent.py tests/test_mla_sm90.py \
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider -rfE ${TESTS:-tests/test_mla_latent.py tests/test_mla_sm90.py} \
   > "$OUT/tests.log" 2>&1; echo "tests rc=$? [$(( $(date +%s) - t0 )) s]"
 grep -E "^(FAILED|ERROR)|passed|failed" "$OUT/tests.log" | tail -15
 t0=$(date +%s)
-timeout "${MEMCHECK_TIMEOUT:-100}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
+[ "${MEMCHECK:-1}" = 1 ] && timeout "${MEMCHECK_TIMEOUT:-100}" compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest -q -p no:cacheprovider \
   tests/test_mla_latent.py -k "${MEMCHECK_K:-cross or (equals_dense and lengths1)}" \
   > "$OUT/memcheck.log" 2>&1; echo "memcheck rc=$? [$(( $(date +%s) - t0 )) s]"
 grep -E "ERROR SUMMARY|passed|failed" "$OUT/memcheck.log" | tail -3
