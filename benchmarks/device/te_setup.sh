@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# On a GPU machine without network: TransformerEngine 2.20.2 (PyTorch) from the folder that
+# benchmarks/device/te_prepare.py wrote on a machine with network (.te, carried:
+# `carry: [".te"]`, about 40 MB), into /tmp/te_site:
+#   core        the core wheel's files (its library keeping only the sm_90 cubins), unpacked
+#   deps        pydantic and its parts, einops, wheel, nvidia-cudnn-frontend (pip --target)
+#   torch ext   transformer_engine_torch built from its source package against the installed torch
+#               (a C++ extension: MAX_JOBS compile jobs, default 16), copied into /tmp/te_site
+# then `import transformer_engine.pytorch` is checked and /tmp/te_site/PYTHONPATH written. Each
+# part's time is printed, so that a session can plan its device time. /tmp survives only while the
+# machine stays up (30 s after a call): run the steps that use TE in the same call, or right after.
+#
+#   OUT=/some/dir bash benchmarks/device/te_setup.sh [FOLDER]   # default: .te here
+set -uo pipefail
+HERE="$(cd "$(dirname "$0")/../.." && pwd)"
+SRC="$(cd "${1:-$HERE/.te}" && pwd)"
+OUT="${OUT:-$HERE/gpu_out}"; mkdir -p "$OUT"
+DEST=/tmp/te_site
+t0=$(date +%s)
+rm -rf "$DEST" /tmp/te_build && mkdir -p "$DEST" /tmp/te_build
+tar -xJf "$SRC/te_core.tar.xz" -C "$DEST" || { echo "te_setup: cannot unpack $SRC/te_core.tar.xz"; exit 1; }
+echo "core: $(( $(date +%s) - t0 )) s"
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$DEST" "$SRC"/*.whl > "$OUT/te_deps.log" 2>&1 \
+  || { tail -5 "$OUT/te_deps.log"; exit 1; }
+echo "deps: $(( $(date +%s) - t0 )) s"
+tar -xzf "$SRC"/transformer_engine_torch-*.tar.gz -C /tmp/te_build
+cd /tmp/te_build/transformer_engine_torch-*/ || exit 1
+# cuDNN's headers (cudnn.h) where torch's nvidia-cudnn package has them.
+CUDNN_INC=$(python3 -c "import os, nvidia.cudnn as m; p = os.path.join(list(m.__path__)[0], 'include'); print(p if os.path.isfile(os.path.join(p, 'cudnn.h')) else '')" 2>/dev/null)
+export CPLUS_INCLUDE_PATH="${CUDNN_INC}${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
+PYTHONPATH="$DEST${PYTHONPATH:+:$PYTHONPATH}" NVTE_FRAMEWORK=pytorch MAX_JOBS="${MAX_JOBS:-16}" \
+  python3 setup.py build_ext --inplace > "$OUT/te_build.log" 2>&1 || { tail -40 "$OUT/te_build.log"; exit 1; }
+cp -f transformer_engine_torch*.so "$DEST"/ || { echo "te_setup: no extension built"; tail -20 "$OUT/te_build.log"; exit 1; }
+echo "torch extension: $(( $(date +%s) - t0 )) s"
+cd "$HERE"
+echo "$DEST" > "$DEST/PYTHONPATH"
+PYTHONPATH="$DEST${PYTHONPATH:+:$PYTHONPATH}" python3 -c "
+import transformer_engine, transformer_engine.pytorch as te, torch
+print('transformer_engine', transformer_engine.__version__, 'torch', torch.__version__)
+" 2>&1 | tail -3
+echo "PYTHONPATH=$DEST (also in $DEST/PYTHONPATH); total $(( $(date +%s) - t0 )) s"
