@@ -17,43 +17,43 @@
 STABLE_TORCH_LIBRARY(verl_ops, m) {
   // Layout rules (docs/layout.md#rules) from per-sequence lengths (CPU). Returns int32 cu_seqlens
   // and cu_seqlens_padded, each [B + 1].
-  m.def(
+  VERL_DEF(m,
       "thd_layout(Tensor lengths, int tp_size=1, int cp_size=1, int cp_layout=0, "
       "bool fp8_padding=False, int? min_local_rows=None, int? pad_to_length_bucket=None) "
       "-> (Tensor cu_seqlens, Tensor cu_seqlens_padded)");
   // The same rules from lengths [B] or (x_is_offsets) a jagged batch's offsets [B + 1] (CPU), with
   // the layout's summary: offsets int32 [2, B + 1] and info int64 [7 + B] (see thd_ops.h).
-  m.def(
+  VERL_DEF(m,
       "thd_layout_info(Tensor x, bool x_is_offsets=False, int tp_size=1, int cp_size=1, "
       "int cp_layout=0, bool fp8_padding=False, int? min_local_rows=None, "
       "int? pad_to_length_bucket=None) -> (Tensor offsets, Tensor info)");
   // Pack jagged values [total, *F] (or padded [B, S, *F] with attention_mask [B, S]) into the
   // THD rows of cp_rank ([local_rows, *F]) or of every rank (cp_rank=-1: [cp, local_rows, *F]),
   // with the position of each row inside its padded sequence (0 in padding rows, as verl).
-  m.def(
+  VERL_DEF(m,
       "preprocess_thd(Tensor values, Tensor cu_seqlens, Tensor cu_seqlens_padded, "
       "SymInt local_rows, int cp_size=1, int cp_rank=0, int cp_layout=0, bool roll=False, "
       "Tensor? attention_mask=None) -> (Tensor packed, Tensor position_ids)");
   // Inverse of preprocess_thd over valid tokens: packed [local_rows, *F] of cp_rank (other
   // ranks' tokens come out zero) or all shards [cp, local_rows, *F] (cp_rank=-1) -> jagged
   // values [total_tokens, *F], or [B, S, *F] with zeros where attention_mask is false.
-  m.def(
+  VERL_DEF(m,
       "postprocess_thd(Tensor packed, Tensor cu_seqlens, Tensor cu_seqlens_padded, "
       "SymInt total_tokens, int cp_size=1, int cp_rank=-1, int cp_layout=0, "
       "bool roll=False, Tensor? attention_mask=None) -> Tensor");
   // Whole-sequence gather: output sequence j = rows [src_starts[j], src_starts[j] + len_j) of
   // values, len_j from cu_seqlens_out (int32 [n + 1]). Selects a subset of a batch (dynamic CP
   // split) or restores sample order (dynamic CP merge).
-  m.def("jagged_gather(Tensor values, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_out) -> Tensor");
+  VERL_DEF(m, "jagged_gather(Tensor values, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_out) -> Tensor");
   // Adjoint of jagged_gather: rows go back where they were gathered from; zeros elsewhere.
-  m.def("jagged_scatter(Tensor grad, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_in) -> Tensor");
+  VERL_DEF(m, "jagged_scatter(Tensor grad, Tensor src_starts, Tensor cu_seqlens_out, SymInt total_in) -> Tensor");
   // dynamic_cp_merge's steps (layouts in core/merge_layout.h): this rank's header row [9 + 2B] for
   // the header all-gather, and the reorder index of the gathered header [G, 9 + 2B] (int64 words:
   // check flags, meta words, merged lengths, row starts; and the merged int32 offsets [B + 1]).
-  m.def(
+  VERL_DEF(m,
       "dynamic_cp_merge_header(Tensor lengths, Tensor sample_ids, int num_samples, int rows, int dtype_hash, "
       "int feature_hash, int row_bytes, int key_hash, int local_cp_size) -> Tensor");
-  m.def("dynamic_cp_merge_index(Tensor header, int num_samples, bool validate=True) -> (Tensor buf, Tensor cu_seqlens)");
+  VERL_DEF(m, "dynamic_cp_merge_index(Tensor header, int num_samples, bool validate=True) -> (Tensor buf, Tensor cu_seqlens)");
 
   // --- router replay (docs/router_replay.md) ---
   // Record: L layers of top-k indices [L, T, K] (any integer dtype, any strides; a list of
@@ -61,12 +61,12 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
   // int16. With the layout's offsets (tp = cp = 1) the unpack is fused: [total_tokens, L, K], or
   // [B, S, L, K] with attention_mask. `overflow` (int32 [4096] flags) has a non-zero entry on
   // CUDA when an index does not fit int16; the CPU kernel raises instead.
-  m.def(
+  VERL_DEF(m,
       "router_topk_record(Tensor indices, Tensor? cu_seqlens=None, Tensor? cu_seqlens_padded=None, "
       "SymInt total_tokens=0, Tensor? attention_mask=None) -> (Tensor routes, Tensor overflow)");
   // Replay: routes [total_tokens, L, K] (or [B, S, L, K] + attention_mask) -> this TP/CP rank's
   // int64 targets [L, local_rows / tp_size, K] and, with replay_mask, its packed bool flags.
-  m.def(
+  VERL_DEF(m,
       "router_topk_scatter(Tensor routes, Tensor cu_seqlens, Tensor cu_seqlens_padded, SymInt local_rows, "
       "int tp_size=1, int tp_rank=0, int cp_size=1, int cp_rank=0, int cp_layout=0, "
       "Tensor? attention_mask=None, Tensor? replay_mask=None) -> (Tensor targets, Tensor replay_mask_packed)");
@@ -77,11 +77,11 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
   // attention with v zero-padded to Dqk and the output trimmed to Dv. Returns out [Tq, Hq, Dv]
   // and softmax_lse [Hq, Tq] (float32; float64 for float64 inputs). backend: 0 auto, 1 padded,
   // 2 native, 3 varlen (cuDNN on the packed rows; in builds with the cuDNN frontend).
-  m.def(
+  VERL_DEF(m,
       "mla_forward_padded(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, "
       "SymInt max_seqlen_q, SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, "
       "int backend=0) -> (Tensor out, Tensor softmax_lse)");
-  m.def(
+  VERL_DEF(m,
       "mla_backward_padded(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, "
       "Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, SymInt max_seqlen_q, "
       "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None, int backend=0) "
@@ -89,7 +89,7 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
   // The varlen backend's plan cache: int64 [10] {compiled, size, hits, misses, builds, failures,
   // evictions, capacity, failed buckets, cuDNN version} (`like`: any CPU tensor; capacity >= 0
   // sets the cache's capacity first, 0: no limit).
-  m.def("mla_cache_info(Tensor like, int capacity=-1) -> Tensor");
+  VERL_DEF(m, "mla_cache_info(Tensor like, int capacity=-1) -> Tensor");
   // --- end mla_forward_padded ---
 
   // --- mla_rope (docs/megatron.md#rope) ---
@@ -97,7 +97,7 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
   // chain: x [rows, heads, dim] (inner stride 1), cos / sin [table_rows, dim] in x's dtype (already
   // scaled), positions int64 [rows] (each row's table row). interleaved: MLA's de-interleave of the
   // rope dims first. backward: the adjoint (grad of the output -> grad of x). Returns [rows, heads, dim].
-  m.def(
+  VERL_DEF(m,
       "mla_rope(Tensor x, Tensor cos, Tensor sin, Tensor positions, bool interleaved=True, "
       "bool backward=False) -> Tensor");
   // --- end mla_rope ---
@@ -111,11 +111,11 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
   // MultiLatentAttention makes q and kv in: grad_q [Tq, Hq, 192] = [d q | d q_pe], grad_kv
   // [Tk, Hk, 256] = [d k | d v], and grad_k_pe [Tk, Hk, 64] per kv head (summed by the caller where
   // k_pe is shared). CUDA: the SM90 kernels (Hopper); CPU: the concatenated reference (Python).
-  m.def(
+  VERL_DEF(m,
       "mla_latent_forward(Tensor q, Tensor q_pe, Tensor k, Tensor k_pe, Tensor v, Tensor cu_seqlens_q, "
       "Tensor cu_seqlens_kv, SymInt max_seqlen_q, SymInt max_seqlen_kv, bool causal=True, "
       "float? softmax_scale=None) -> (Tensor out, Tensor softmax_lse)");
-  m.def(
+  VERL_DEF(m,
       "mla_latent_backward(Tensor grad_out, Tensor q, Tensor q_pe, Tensor k, Tensor k_pe, Tensor v, "
       "Tensor out, Tensor softmax_lse, Tensor cu_seqlens_q, Tensor cu_seqlens_kv, SymInt max_seqlen_q, "
       "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None) "
@@ -124,42 +124,42 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
-  m.impl("thd_layout", VERL_BOX(&verl_ops::ops::thd_layout));
-  m.impl("thd_layout_info", VERL_BOX(&verl_ops::ops::thd_layout_info));
-  m.impl("preprocess_thd", VERL_BOX(&verl_ops::ops::preprocess_thd_cpu));
-  m.impl("postprocess_thd", VERL_BOX(&verl_ops::ops::postprocess_thd_cpu));
-  m.impl("jagged_gather", VERL_BOX(&verl_ops::ops::jagged_gather_cpu));
-  m.impl("jagged_scatter", VERL_BOX(&verl_ops::ops::jagged_scatter_cpu));
-  m.impl("dynamic_cp_merge_header", VERL_BOX(&verl_ops::ops::merge_header_cpu));
-  m.impl("dynamic_cp_merge_index", VERL_BOX(&verl_ops::ops::merge_index_cpu));
+  VERL_IMPL(m, "thd_layout", &verl_ops::ops::thd_layout);
+  VERL_IMPL(m, "thd_layout_info", &verl_ops::ops::thd_layout_info);
+  VERL_IMPL(m, "preprocess_thd", &verl_ops::ops::preprocess_thd_cpu);
+  VERL_IMPL(m, "postprocess_thd", &verl_ops::ops::postprocess_thd_cpu);
+  VERL_IMPL(m, "jagged_gather", &verl_ops::ops::jagged_gather_cpu);
+  VERL_IMPL(m, "jagged_scatter", &verl_ops::ops::jagged_scatter_cpu);
+  VERL_IMPL(m, "dynamic_cp_merge_header", &verl_ops::ops::merge_header_cpu);
+  VERL_IMPL(m, "dynamic_cp_merge_index", &verl_ops::ops::merge_index_cpu);
   // router replay
-  m.impl("router_topk_record", VERL_BOX(&verl_ops::ops::router_topk_record_cpu));
-  m.impl("router_topk_scatter", VERL_BOX(&verl_ops::ops::router_topk_scatter_cpu));
+  VERL_IMPL(m, "router_topk_record", &verl_ops::ops::router_topk_record_cpu);
+  VERL_IMPL(m, "router_topk_scatter", &verl_ops::ops::router_topk_scatter_cpu);
   // mla
-  m.impl("mla_forward_padded", VERL_BOX(&verl_ops::ops::mla_forward_padded_cpu));
-  m.impl("mla_backward_padded", VERL_BOX(&verl_ops::ops::mla_backward_padded_cpu));
-  m.impl("mla_cache_info", VERL_BOX(&verl_ops::ops::mla_cache_info));
-  m.impl("mla_rope", VERL_BOX(&verl_ops::ops::mla_rope_cpu));
+  VERL_IMPL(m, "mla_forward_padded", &verl_ops::ops::mla_forward_padded_cpu);
+  VERL_IMPL(m, "mla_backward_padded", &verl_ops::ops::mla_backward_padded_cpu);
+  VERL_IMPL(m, "mla_cache_info", &verl_ops::ops::mla_cache_info);
+  VERL_IMPL(m, "mla_rope", &verl_ops::ops::mla_rope_cpu);
 }
 
 #ifdef VERL_OPS_WITH_CUDA
 STABLE_TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
-  m.impl("preprocess_thd", VERL_BOX(&verl_ops::ops::preprocess_thd_cuda));
-  m.impl("postprocess_thd", VERL_BOX(&verl_ops::ops::postprocess_thd_cuda));
-  m.impl("jagged_gather", VERL_BOX(&verl_ops::ops::jagged_gather_cuda));
-  m.impl("jagged_scatter", VERL_BOX(&verl_ops::ops::jagged_scatter_cuda));
-  m.impl("dynamic_cp_merge_header", VERL_BOX(&verl_ops::ops::merge_header_cuda));
-  m.impl("dynamic_cp_merge_index", VERL_BOX(&verl_ops::ops::merge_index_cuda));
+  VERL_IMPL(m, "preprocess_thd", &verl_ops::ops::preprocess_thd_cuda);
+  VERL_IMPL(m, "postprocess_thd", &verl_ops::ops::postprocess_thd_cuda);
+  VERL_IMPL(m, "jagged_gather", &verl_ops::ops::jagged_gather_cuda);
+  VERL_IMPL(m, "jagged_scatter", &verl_ops::ops::jagged_scatter_cuda);
+  VERL_IMPL(m, "dynamic_cp_merge_header", &verl_ops::ops::merge_header_cuda);
+  VERL_IMPL(m, "dynamic_cp_merge_index", &verl_ops::ops::merge_index_cuda);
   // router replay
-  m.impl("router_topk_record", VERL_BOX(&verl_ops::ops::router_topk_record_cuda));
-  m.impl("router_topk_scatter", VERL_BOX(&verl_ops::ops::router_topk_scatter_cuda));
+  VERL_IMPL(m, "router_topk_record", &verl_ops::ops::router_topk_record_cuda);
+  VERL_IMPL(m, "router_topk_scatter", &verl_ops::ops::router_topk_scatter_cuda);
   // mla
-  m.impl("mla_forward_padded", VERL_BOX(&verl_ops::ops::mla_forward_padded_cuda));
-  m.impl("mla_backward_padded", VERL_BOX(&verl_ops::ops::mla_backward_padded_cuda));
+  VERL_IMPL(m, "mla_forward_padded", &verl_ops::ops::mla_forward_padded_cuda);
+  VERL_IMPL(m, "mla_backward_padded", &verl_ops::ops::mla_backward_padded_cuda);
   // mla_cache_info reads host counters: on CUDA it only reports that `like` must be a CPU tensor.
-  m.impl("mla_cache_info", VERL_BOX(&verl_ops::ops::mla_cache_info));
-  m.impl("mla_rope", VERL_BOX(&verl_ops::ops::mla_rope_cuda));
-  m.impl("mla_latent_forward", VERL_BOX(&verl_ops::ops::mla_latent_forward_cuda));
-  m.impl("mla_latent_backward", VERL_BOX(&verl_ops::ops::mla_latent_backward_cuda));
+  VERL_IMPL(m, "mla_cache_info", &verl_ops::ops::mla_cache_info);
+  VERL_IMPL(m, "mla_rope", &verl_ops::ops::mla_rope_cuda);
+  VERL_IMPL(m, "mla_latent_forward", &verl_ops::ops::mla_latent_forward_cuda);
+  VERL_IMPL(m, "mla_latent_backward", &verl_ops::ops::mla_latent_backward_cuda);
 }
 #endif

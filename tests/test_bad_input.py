@@ -1639,6 +1639,16 @@ def test_raw_op_dense_arguments(case, device):
             check(case, device)
 
 
+@pytest.mark.parametrize("case, device", params([c for c in DENSE_CASES if c.id.endswith("-None")]))
+def test_raw_op_none_under_inference_mode(case, device):
+    """A None for a Tensor argument beside other tensors under inference mode, where no Autograd
+    kernel runs: the backend kernel names the op and the argument (the compiled ops' boxed kernels,
+    csrc/ops/stable.h; the Python-defined kernels check it themselves)."""
+    with torch.inference_mode():
+        with pytest.raises((TypeError, RuntimeError), match=rf"^{case.op}: {re.escape(case.arg)} must be "):
+            case.call(device)
+
+
 def test_raw_op_dense_cases_cover_every_tensor_argument():
     """Every op of the namespace is in RAW_TENSOR_ARGUMENTS with exactly its schema's tensor
     arguments, so a new op or argument needs its cases here."""

@@ -491,14 +491,84 @@ void box_returns(StableIValue* stack, R&& r) {
   }
 }
 
+// A None given for a `Tensor` argument (not `Tensor?`) reaches a kernel as an undefined tensor when
+// nothing above the backend kernel checks it (the Python Autograd kernels do, but inference mode
+// skips them): every boxed kernel tests its Tensor arguments first and names the op and the
+// argument, from the op's schema (remembered by VERL_DEF) and the kernel's op (by VERL_IMPL).
+struct OpRegistry {
+  std::vector<std::pair<const void*, std::string>> kernels;  // kernel function -> op name
+  std::vector<std::string> schemas;
+  static OpRegistry& get() {
+    static OpRegistry r;
+    return r;
+  }
+};
+
+inline const char* remember_schema(const char* schema) {
+  OpRegistry::get().schemas.emplace_back(schema);
+  return schema;
+}
+
+inline const char* remember_kernel(const void* fn, const char* op) {
+  OpRegistry::get().kernels.emplace_back(fn, op);
+  return op;
+}
+
+// The op name of kernel `fn` and the name of its schema's argument `index` ("argument <index>"
+// where unknown).
+inline std::pair<std::string, std::string> op_argument_name(const void* fn, size_t index) {
+  const OpRegistry& r = OpRegistry::get();
+  std::string op = "verl_ops", arg = "argument " + std::to_string(index);
+  for (const auto& [f, name] : r.kernels) {
+    if (f != fn) continue;
+    op = name;
+    for (const std::string& schema : r.schemas) {
+      if (schema.compare(0, name.size() + 1, name + "(") != 0) continue;
+      // the arguments between the first "(" and its ")", split at top-level commas
+      size_t pos = name.size() + 1, depth = 0, start = pos, k = 0;
+      for (; pos < schema.size(); ++pos) {
+        const char c = schema[pos];
+        if (c == '(' || c == '[') ++depth;
+        if ((c == ')' || c == ']') && depth > 0) { --depth; continue; }
+        if ((c == ',' && depth == 0) || (c == ')' && depth == 0)) {
+          if (k == index) {
+            std::string a = schema.substr(start, pos - start);
+            const size_t eq = a.find('=');
+            if (eq != std::string::npos) a = a.substr(0, eq);
+            while (!a.empty() && a.back() == ' ') a.pop_back();
+            const size_t sp = a.rfind(' ');
+            arg = sp == std::string::npos ? a : a.substr(sp + 1);
+            break;
+          }
+          ++k;
+          start = pos + 1;
+          if (c == ')') break;
+        }
+      }
+    }
+    break;
+  }
+  return {op, arg};
+}
+
 template <auto F>
 struct Boxed;
 
 template <typename R, typename... Args, R (*F)(Args...)>
 struct Boxed<F> {
+  template <typename T>
+  static void check_defined(const T& v, size_t index) {
+    if constexpr (std::is_same_v<T, Tensor>) {
+      if (!v.defined()) {
+        const auto [op, arg] = op_argument_name(reinterpret_cast<const void*>(F), index);
+        fail(op, ": ", arg, " must be a tensor, got None");
+      }
+    }
+  }
   template <size_t... I>
   static void run(StableIValue* stack, std::index_sequence<I...>) {
     std::tuple<unboxed_t<Args>...> args{sv_to<unboxed_t<Args>>(stack[I])...};
+    (check_defined(std::get<I>(args), I), ...);
     box_returns(stack, F(std::get<I>(args)...));
   }
   static void call(StableIValue* stack, uint64_t /*num_args*/, uint64_t /*num_outputs*/) {
@@ -507,6 +577,11 @@ struct Boxed<F> {
 };
 
 #define VERL_BOX(fn) (&::verl_ops::st::Boxed<fn>::call)
+// m.def(schema) / m.impl(name, VERL_BOX(fn)), remembering the schema and which op `fn` implements
+// (for Boxed's error naming the argument).
+#define VERL_DEF(m, schema) m.def(::verl_ops::st::remember_schema(schema))
+#define VERL_IMPL(m, name, fn) \
+  m.impl(::verl_ops::st::remember_kernel(reinterpret_cast<const void*>(fn), name), VERL_BOX(fn))
 
 }  // namespace st
 }  // namespace verl_ops
