@@ -257,12 +257,13 @@ def test_megatron_layers_run_the_latent_path(device, monkeypatch):
 
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
     size = dataclasses.replace(lib.SIZES["tiny"], heads=2, qk_head_dim=128, qk_pos_emb_head_dim=64, v_head_dim=128)
-    # megatron-core's @jit_fuser functions eagerly (as every Megatron test here runs them; restored after)
-    monkeypatch.setattr(torch._dynamo.config, "disable", True)
     created = not dist.is_initialized()
     lib.init_distributed(1, device)
     try:
-        _compare_latent_and_concatenated(lib, megatron_mla, size, dtype, device, monkeypatch)
+        # megatron-core's @jit_fuser functions eagerly, as every Megatron test here runs them (this
+        # process runs other torch.compile tests: the setting is undone on exit)
+        with torch._dynamo.config.patch(disable=True):
+            _compare_latent_and_concatenated(lib, megatron_mla, size, dtype, device, monkeypatch)
     finally:  # (later tests of this process expect no process group of ours)
         parallel_state.destroy_model_parallel()
         if created and dist.is_initialized():
