@@ -10,7 +10,8 @@ Model: a DeepSeek-like ``GPTModel`` from megatron-core's local (non-TransformerE
 head dim 128 + 64 (rope) = 192, value head dim 128; 2 layers, the first dense, the second MoE
 (8 experts, top-2, sigmoid router with expert bias, one shared expert, the all-to-all dispatcher,
 no grouped GEMM); RMSNorm, rope, bf16, vocab 32768, attention and hidden dropout 0. Two sizes:
-hidden 2048 / 16 heads and hidden 4096 / 64 heads. One GPU: a world-1 NCCL group and
+hidden 2048 / 16 heads and hidden 4096 / 64 heads (default), and hidden 7168 / 128 heads (DeepSeek-V3's
+attention, ``--sizes 7168``). One GPU: a world-1 NCCL group and
 ``parallel_state.initialize_model_parallel(1, 1)``.
 
 Batch: RL-ragged, one micro-batch of ~30k tokens: 16-24 sequences, each a prompt (uniform in
@@ -129,6 +130,8 @@ ALL_PATHS = ("verl", FA4_PATH, CAT_PATH, "verl_ops")
 SIZES = {
     2048: (2048, 16, 768, 5632, 1408, 1408),
     4096: (4096, 64, 1536, 11264, 2048, 2048),
+    # DeepSeek-V3's attention and FFN dims (2 layers, 8 experts here): ~1.7B parameters
+    7168: (7168, 128, 1536, 18432, 2048, 2048),
 }
 
 
@@ -1134,7 +1137,7 @@ def main(argv=None):
     ap.add_argument("--cpu", action="store_true",
                     help="the --sizes models on the CPU in float32 with --tiny's batch, 1 step "
                          "(a check of the configurations, not a timing)")
-    ap.add_argument("--sizes", default="2048,4096", help="hidden sizes (2048: 16 heads, 4096: 64 heads)")
+    ap.add_argument("--sizes", default="2048,4096", help="hidden sizes (2048: 16 heads, 4096: 64 heads, 7168: 128 heads)")
     ap.add_argument("--tokens", type=int, default=30 * 1024, help="tokens of the RL-ragged micro-batch")
     ap.add_argument("--reps", type=int, default=10, help="timed steps per path (median)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per path first")
