@@ -9,8 +9,8 @@ Model: a DeepSeek-like ``GPTModel`` from megatron-core's local (non-TransformerE
 (tests/megatron_model_lib.py builds it): MLA with ``q_lora_rank``, ``kv_lora_rank`` 512, query/key
 head dim 128 + 64 (rope) = 192, value head dim 128; 2 layers, the first dense, the second MoE
 (8 experts, top-2, sigmoid router with expert bias, one shared expert, the all-to-all dispatcher,
-no grouped GEMM); RMSNorm, rope, bf16, vocab 32768, attention and hidden dropout 0. Two sizes:
-hidden 2048 / 16 heads and hidden 4096 / 64 heads (default), and hidden 7168 / 128 heads (DeepSeek-V3's
+no grouped GEMM); RMSNorm, rope, bf16, vocab 32768, attention and hidden dropout 0. Sizes:
+hidden 2048 / 16 heads and hidden 4096 / 64 heads (the default), hidden 7168 / 128 heads (DeepSeek-V3's
 attention, ``--sizes 7168``). One GPU: a world-1 NCCL group and
 ``parallel_state.initialize_model_parallel(1, 1)``.
 
