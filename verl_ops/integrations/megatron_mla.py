@@ -851,7 +851,9 @@ def _ensure_linear_hooks(m) -> None:
 
         def hook(module, inputs, output, name=name):
             cap = getattr(_CAPTURE, "current", None)
-            if cap is not None and cap.module is m:
+            # (the capturing layer's own linear: also right in a deep copy of the model, whose
+            # hooks are copies of these)
+            if cap is not None and getattr(cap.module, name, None) is module:
                 cap.linears[name] = (inputs[0] if inputs else None, output[0] if isinstance(output, tuple) else output)
 
         handles.append(linear.register_forward_hook(hook))
