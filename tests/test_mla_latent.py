@@ -301,3 +301,27 @@ def _compare_latent_and_concatenated(lib, megatron_mla, size, dtype, device, mon
     assert grads.keys() == ref_grads.keys()
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], **tol, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.gpu
+def test_cuda_backward_takes_unaligned_out_and_grad_out():
+    """out / grad_out that are views 8 bytes into a buffer (not 16-byte aligned) give the backward
+    of the aligned tensors (the kernels read them as 16-byte vectors and through a tensor map: the
+    op copies them first)."""
+    if not _sm90():
+        pytest.skip("needs an SM90 GPU")
+    parts, cu, m = _parts([30, 7, 64], 2, torch.bfloat16, "cuda")
+    out, lse = ops.mla_latent_forward(*parts, cu, cu, m, m)
+    g = torch.randn_like(out)
+    ref = ops.mla_latent_backward(g, *parts, out, lse, cu, cu, m, m)
+
+    def unaligned(t):
+        buf = torch.empty(t.numel() + 4, dtype=t.dtype, device=t.device)
+        view = buf[4:].view(t.shape)
+        view.copy_(t)
+        assert view.data_ptr() % 16 != 0
+        return view
+
+    got = ops.mla_latent_backward(unaligned(g), *parts, unaligned(out), lse, cu, cu, m, m)
+    for name, a, b in zip(("grad_q", "grad_kv", "grad_k_pe"), got, ref):
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-2, atol=1e-4, msg=lambda msg, name=name: f"{name}: {msg}")

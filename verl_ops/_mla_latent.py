@@ -95,8 +95,8 @@ def check_parts(op, q, q_pe, k, k_pe, v, cu_q, cu_kv, max_q, max_kv, scale, *, h
     torch._check(k_pe.shape[0] == tk and (k_pe.shape[1] == 1 or k_pe.shape[1] == hk),
                  lambda: f"{op}: {nkp} must be [{tk}, 1, {ROPE}] (shared by every kv head) or [{tk}, {hk}, {ROPE}] "
                          f"({nk} has {tk} rows and {hk} heads), got {tuple(k_pe.shape)}")
-    torch._check(hk >= 1 and hq % hk == 0,
-                 lambda: f"{op}: {nq}'s heads ({hq}) must be a multiple of {nk}'s ({hk})")
+    torch._check(hq >= 1 and hk >= 1 and hq % hk == 0,
+                 lambda: f"{op}: {nq}'s heads ({hq}) must be a positive multiple of {nk}'s ({hk})")
     for name, cu in (("cu_seqlens_q", cu_q), ("cu_seqlens_kv", cu_kv)):
         if cu.dtype != torch.int32:
             raise ValueError(f"{op}: {name} must be int32, got {cu.dtype}")

@@ -67,8 +67,8 @@ LatentSizes check_latent(const char* op, const Tensor& q, const Tensor& q_pe, co
   VERL_CHECK(k_pe.size(0) == s.tk && (k_pe.size(1) == 1 || k_pe.size(1) == s.hk), op, ": k_pe must be [",
              s.tk, ", 1, 64] (shared by every kv head) or [", s.tk, ", ", s.hk, ", 64], got ",
              st::shape_of(k_pe));
-  VERL_CHECK(s.hk >= 1 && s.hq % s.hk == 0, op, ": q's heads (", s.hq, ") must be a multiple of k's (", s.hk,
-             ")");
+  VERL_CHECK(s.hq >= 1 && s.hk >= 1 && s.hq % s.hk == 0, op, ": q's heads (", s.hq,
+             ") must be a positive multiple of k's (", s.hk, ")");
   VERL_CHECK(cu_kv.size(0) - 1 == s.batch, op, ": cu_seqlens_q and cu_seqlens_kv must have the same length, got ",
              cu_q.size(0), " and ", cu_kv.size(0));
   constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
@@ -93,6 +93,15 @@ Tensor tma_ready(const Tensor& t) {
   if (t.size(0) > 1) ok = ok && t.stride(0) > 0 && t.stride(0) % 8 == 0;
   if (t.size(1) > 1) ok = ok && t.stride(1) > 0 && t.stride(1) % 8 == 0;
   return ok ? t : st::contiguous(t);
+}
+
+// Contiguous and 16-byte aligned (the backward's pre kernel reads O and dO as 16-byte vectors, and
+// dO through a tensor map), else a copy that is.
+Tensor aligned_rows(const Tensor& t) {
+  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
+  Tensor out = st::empty(t, st::sizes_of(t), t.scalar_type());
+  st::copy_into(out, t);
+  return out;
 }
 
 cuda::Sm90Rows rows_of(const Tensor& t) {
@@ -196,7 +205,7 @@ std::tuple<Tensor, Tensor, Tensor> mla_latent_backward_cuda(
     torch::stable::zero_(dk_pe);
     return {dq, dkv, dk_pe};
   }
-  const Tensor oc = st::contiguous(out), gc = st::contiguous(grad_out);
+  const Tensor oc = aligned_rows(out), gc = aligned_rows(grad_out);
   Tensor accum = st::empty(q, {s.tq, s.hq, 192}, st::kFloat);
   Tensor lse_d = st::empty(q, {s.hq, s.tq, 2}, st::kFloat);
   cuda::Sm90BwdArgs a{};

@@ -798,8 +798,8 @@ class _LatentCapture:
         key = kv_out.view(t, n, 256)
         value = k_pe.contiguous()  # (Megatron's .contiguous() on it then returns it as it is)
         setattr(query, LATENT_ATTR, LatentQKV(key, value, rope_q, rope_k))
-        q_compressed = q_in if m.config.q_lora_rank is not None else None
-        return query, key, value, q_compressed, kv_in
+        # (q_compressed: the q projection's input, the hidden states without q_lora_rank, as Megatron's)
+        return query, key, value, q_in, kv_in
 
 
 def _latent_skip_reason(m, args) -> str | None:
@@ -910,13 +910,21 @@ def _install_latent_capture(mla_module) -> bool:
         cap = _LatentCapture(self)
         _CAPTURE.current = cap
         try:
-            return original(self, *args, **kwargs)  # returns only where the capture did not stop it
+            ran_through = original(self, *args, **kwargs)
         except _LatentStop:
-            pass
+            ran_through = None
         finally:
             _CAPTURE.current = None
-        result = cap.result()
+        if ran_through is not None:
+            if not cap.ropes:
+                return ran_through  # no RoPE call at all: nothing was left unrotated
+            # Finished with a RoPE call recorded but not applied (q rotated by the recorder's plan
+            # only): that result is wrong, Megatron's method runs again without the capture.
+            result = "Megatron's method did not make its two RoPE calls (q, then k_pe) through apply_rotary_pos_emb"
+        else:
+            result = cap.result()
         if isinstance(result, str):
+            # (the first, partial run's projections are discarded: once per layer)
             self.__dict__[_LATENT_OFF_ATTR] = result
             warnings.warn(f"verl_ops: MLA layer keeps Megatron's q / k concatenation: {result}", stacklevel=2)
             return original(self, *args, **kwargs)

@@ -105,10 +105,17 @@ cudaError_t launch_sm90_backward(const Sm90BwdArgs& a, cudaStream_t stream) {
     const size_t elem = 2;
     cudaError_t err = cudaSuccess;
     if (a.tq > 0) err = cudaMemsetAsync(a.dq, 0, elem * a.tq * a.hq * kDqk, stream);
-    // A part's rows * hk head rows of d columns, head_stride apart.
+    // A part's rows * hk head rows of d columns, head_stride apart (row_stride == hk * head_stride),
+    // or with one head its rows, row_stride apart.
     auto zero = [&](const Sm90GradRows& g, int64_t d) {
-      if (err == cudaSuccess && a.tk > 0)
+      if (err != cudaSuccess || a.tk <= 0) return;
+      if (a.hk == 1) {
+        err = cudaMemset2DAsync(g.ptr, elem * g.row_stride, 0, elem * d, a.tk, stream);
+      } else if (g.row_stride == a.hk * g.head_stride) {
         err = cudaMemset2DAsync(g.ptr, elem * g.head_stride, 0, elem * d, a.tk * a.hk, stream);
+      } else {
+        err = cudaErrorInvalidValue;
+      }
     };
     zero(a.dk, 128);
     zero(a.dk_pe, 64);
