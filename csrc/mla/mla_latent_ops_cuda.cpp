@@ -95,15 +95,6 @@ Tensor tma_ready(const Tensor& t) {
   return ok ? t : st::contiguous(t);
 }
 
-// Contiguous and 16-byte aligned (the backward's pre kernel reads O and dO as 16-byte vectors, and
-// dO through a tensor map), else a copy that is.
-Tensor aligned_rows(const Tensor& t) {
-  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
-  Tensor out = st::empty(t, st::sizes_of(t), t.scalar_type());
-  st::copy_into(out, t);
-  return out;
-}
-
 cuda::Sm90Rows rows_of(const Tensor& t) {
   const int64_t heads = t.size(1);
   const int64_t head_stride = heads > 1 ? t.stride(1) : t.size(2);
@@ -205,7 +196,8 @@ std::tuple<Tensor, Tensor, Tensor> mla_latent_backward_cuda(
     torch::stable::zero_(dk_pe);
     return {dq, dkv, dk_pe};
   }
-  const Tensor oc = aligned_rows(out), gc = aligned_rows(grad_out);
+  // (the backward's pre kernel reads O and dO as 16-byte vectors, and dO through a tensor map)
+  const Tensor oc = st::aligned_rows(out), gc = st::aligned_rows(grad_out);
   Tensor accum = st::empty(q, {s.tq, s.hq, 192}, st::kFloat);
   Tensor lse_d = st::empty(q, {s.hq, s.tq, 2}, st::kFloat);
   cuda::Sm90BwdArgs a{};

@@ -345,14 +345,6 @@ std::tuple<Tensor, Tensor, Tensor> reference_backward(
 
 #ifdef VERL_OPS_WITH_CUDNN_FE
 
-// t as cuDNN reads rows: contiguous and 16-byte aligned (a copy only when it is not).
-Tensor cudnn_rows(const Tensor& t) {
-  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
-  Tensor out = st::empty(t, st::sizes_of(t), t.scalar_type());
-  st::copy_into(out, t);
-  return out;
-}
-
 // One call's plan, per-call metadata (lengths and ragged offsets, computed on the device) and
 // stream. `self_attention`: q and kv share their offsets, so every query sees a key and every key
 // a query (no fix-up of empty rows, and the causal diagonal needs no bottom-right alignment).
@@ -427,8 +419,9 @@ Sm90Inputs sm90_inputs(Args& a, const Tensor& q, const Tensor& k, const Tensor& 
                        const Tensor& cu_seqlens_q, const Tensor& cu_seqlens_kv, const MlaSizes& s,
                        int64_t max_seqlen_q, int64_t max_seqlen_kv, bool causal, double scale,
                        int64_t workspace_ints) {
-  Sm90Inputs in{cudnn_rows(q), cudnn_rows(k), cudnn_rows(v), st::contiguous(cu_seqlens_q),
-                st::contiguous(cu_seqlens_kv), st::empty(q, {workspace_ints}, st::kInt)};
+  Sm90Inputs in{st::aligned_rows(q), st::aligned_rows(k), st::aligned_rows(v),
+                st::contiguous(cu_seqlens_q), st::contiguous(cu_seqlens_kv),
+                st::empty(q, {workspace_ints}, st::kInt)};
   const bool self_attention = shares_offsets(cu_seqlens_q, cu_seqlens_kv) && s.tq == s.tk &&
                               max_seqlen_q == max_seqlen_kv;
   a.in = cuda::sm90_dense_parts(in.q.data_ptr(), in.k.data_ptr(), in.v.data_ptr(), s.hq, s.hk);
@@ -473,7 +466,7 @@ std::tuple<Tensor, Tensor> varlen_forward(const char* op, const Tensor& q, const
   }
   const VarlenCall c = prepare_varlen(op, false, q, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
                                       max_seqlen_kv, causal, scale);
-  const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
+  const Tensor qc = st::aligned_rows(q), kc = st::aligned_rows(k), vc = st::aligned_rows(v);
   Tensor out = st::empty(q, {s.tq, s.hq, s.dv}, q.scalar_type());
   Tensor stats = st::empty(q, {s.tq, s.hq}, st::kFloat);  // [Tq, Hq]: cuDNN's ragged layout
   const auto [ws, ws_ptr] = varlen_workspace(c, q);
@@ -506,7 +499,7 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(
     // forward's output and log-sum-exp as they are (either forward's), writes every dq row and
     // the dk / dv rows of every sequence (zeros where no query sees a key), needs no plan and no
     // host read. Its workspace: dq's fp32 accumulator and lse / D per head and row.
-    const Tensor oc = cudnn_rows(out), gc = cudnn_rows(grad_out);
+    const Tensor oc = st::aligned_rows(out), gc = st::aligned_rows(grad_out);
     const Tensor lse = st::contiguous(softmax_lse);  // [Hq, Tq]
     Tensor dq = st::empty(q, {s.tq, s.hq, s.dqk}, q.scalar_type());
     Tensor dk = st::empty(k, {s.tk, s.hk, s.dqk}, k.scalar_type());
@@ -533,9 +526,9 @@ std::tuple<Tensor, Tensor, Tensor> varlen_backward(
   }
   const VarlenCall c = prepare_varlen(op, true, q, cu_seqlens_q, cu_seqlens_kv, s, max_seqlen_q,
                                       max_seqlen_kv, causal, scale);
-  const Tensor qc = cudnn_rows(q), kc = cudnn_rows(k), vc = cudnn_rows(v);
-  const Tensor oc = cudnn_rows(out), gc = cudnn_rows(grad_out);
-  const Tensor stats = cudnn_rows(torch::stable::transpose(softmax_lse, 0, 1));  // [Tq, Hq]
+  const Tensor qc = st::aligned_rows(q), kc = st::aligned_rows(k), vc = st::aligned_rows(v);
+  const Tensor oc = st::aligned_rows(out), gc = st::aligned_rows(grad_out);
+  const Tensor stats = st::aligned_rows(torch::stable::transpose(softmax_lse, 0, 1));  // [Tq, Hq]
   Tensor dq = st::empty(q, {s.tq, s.hq, s.dqk}, q.scalar_type());
   Tensor dk = st::empty(k, {s.tk, s.hk, s.dqk}, k.scalar_type());
   Tensor dv = st::empty(v, {s.tk, s.hk, s.dv}, v.scalar_type());

@@ -390,6 +390,15 @@ inline Tensor contiguous(const Tensor& t) {
   return out;
 }
 
+// t as rows read with 16-byte vectors / through TMA or by cuDNN: contiguous and 16-byte aligned
+// (a copy only when it is not).
+inline Tensor aligned_rows(const Tensor& t) {
+  if (t.is_contiguous() && reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0) return t;
+  Tensor out = empty(t, sizes_of(t), t.scalar_type());
+  copy_into(out, t);
+  return out;
+}
+
 inline int64_t element_size(const Tensor& t) {
   int32_t dtype = 0;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_dtype(t.get(), &dtype));
