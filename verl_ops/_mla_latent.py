@@ -371,8 +371,5 @@ def _check_attention_args(q, kv, k_pe, rope_q, rope_k, cu_q, cu_kv, max_q, max_k
 def concatenated_operands(q, kv, k_pe, rope_q: RopePlan, rope_k: RopePlan):
     """The query, key and value Megatron would have built: ``[q_nope | rope(q_pe)]``,
     ``[k_nope | rope(k_pe)]`` (k_pe copied into every head) and v, each contiguous."""
-    hk = kv.shape[1]
-    query = torch.cat([q[..., :NOPE], rope_q.apply(q[..., NOPE:])], -1)
-    k_pe_r = rope_k.apply(k_pe)
-    key = torch.cat([kv[..., :NOPE], k_pe_r.expand(k_pe_r.shape[0], hk, ROPE)], -1)
+    query, key = _concatenated(q[..., :NOPE], rope_q.apply(q[..., NOPE:]), kv[..., :NOPE], rope_k.apply(k_pe))
     return query, key, kv[..., NOPE:].contiguous()
