@@ -100,6 +100,10 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
   VERL_DEF(m,
       "mla_rope(Tensor x, Tensor cos, Tensor sin, Tensor positions, bool interleaved=True, "
       "bool backward=False) -> Tensor");
+  // The same, written into x (its dims rotated in place; a gradient buffer's rope columns).
+  VERL_DEF(m,
+      "mla_rope_(Tensor(a!) x, Tensor cos, Tensor sin, Tensor positions, bool interleaved=True, "
+      "bool backward=False) -> ()");
   // --- end mla_rope ---
 
   // --- mla_latent_forward / mla_latent_backward (docs/mla.md#latent-parts) ---
@@ -140,6 +144,7 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   VERL_IMPL(m, "mla_backward_padded", &verl_ops::ops::mla_backward_padded_cpu);
   VERL_IMPL(m, "mla_cache_info", &verl_ops::ops::mla_cache_info);
   VERL_IMPL(m, "mla_rope", &verl_ops::ops::mla_rope_cpu);
+  VERL_IMPL(m, "mla_rope_", &verl_ops::ops::mla_rope_inplace_cpu);
 }
 
 #ifdef VERL_OPS_WITH_CUDA
@@ -159,6 +164,7 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   // mla_cache_info reads host counters: on CUDA it only reports that `like` must be a CPU tensor.
   VERL_IMPL(m, "mla_cache_info", &verl_ops::ops::mla_cache_info);
   VERL_IMPL(m, "mla_rope", &verl_ops::ops::mla_rope_cuda);
+  VERL_IMPL(m, "mla_rope_", &verl_ops::ops::mla_rope_inplace_cuda);
   VERL_IMPL(m, "mla_latent_forward", &verl_ops::ops::mla_latent_forward_cuda);
   VERL_IMPL(m, "mla_latent_backward", &verl_ops::ops::mla_latent_backward_cuda);
 }

@@ -66,6 +66,72 @@ def test_forward_and_backward_bitwise(device, dtype, interleaved):
     assert torch.equal(xo.grad, xr.grad), (xo.grad - xr.grad).abs().max()
 
 
+@pytest.mark.parametrize("device", devices())
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("width,offset,dim", [(192, 128, 64), (192, 128, 32), (75, 3, 64), (200, 8, 48)],
+                         ids=["mla", "dim32", "unaligned", "dim48"])
+def test_in_place_equals_out_of_place(device, dtype, interleaved, width, offset, dim):
+    """mla_rope_ (x's dims rotated in place) writes what mla_rope returns, forward and backward, and
+    leaves the rest of a wider buffer alone. On a GPU, 16-bit MLA-shaped rows (192-wide, rope at
+    column 128) take the vector kernel in place; the unaligned and dim 48 cases take the scalar one
+    through a buffer."""
+    g = torch.Generator().manual_seed(3)
+    rows, heads, table = 301, 5, 64
+    freqs = rope_freqs(table, dim).to(device)
+    cos, sin = tables(freqs, 0.9, dtype)
+    positions = torch.randint(0, table, (rows,), generator=g).to(device)
+    for backward in (False, True):
+        wide = torch.randn(rows, heads, width, generator=g).to(dtype).to(device)
+        x = wide[..., offset:offset + dim]
+        want = torch.ops.verl_ops.mla_rope(x, cos, sin, positions, interleaved, backward)
+        before = wide.clone()
+        version = wide._version
+        torch.ops.verl_ops.mla_rope_(x, cos, sin, positions, interleaved, backward)
+        assert torch.equal(wide[..., offset:offset + dim], want)
+        assert torch.equal(wide[..., :offset], before[..., :offset])
+        assert torch.equal(wide[..., offset + dim:], before[..., offset + dim:])
+        assert wide._version > version
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("in_place", [False, True])
+def test_cuda_positions_outside_the_table_give_zeros(in_place):
+    """On a GPU positions are not read on the host: a row outside the table gets zeros (vector kernel)."""
+    dim, table = 64, 8
+    cos, sin = tables(rope_freqs(table, dim).cuda(), 1.0, torch.bfloat16)
+    x = torch.randn(6, 4, 192, device="cuda", dtype=torch.bfloat16)
+    positions = torch.tensor([0, -1, 7, 8, 3, 100], device="cuda")
+    want = torch.ops.verl_ops.mla_rope(x[..., 128:], cos, sin, positions.clamp(0, table - 1), True, False)
+    if in_place:
+        torch.ops.verl_ops.mla_rope_(x[..., 128:], cos, sin, positions, True, False)
+        got = x[..., 128:]
+    else:
+        got = torch.ops.verl_ops.mla_rope(x[..., 128:], cos, sin, positions, True, False)
+    bad = torch.tensor([False, True, False, True, False, True], device="cuda")
+    assert torch.equal(got[~bad], want[~bad])
+    assert not got[bad].any()
+
+
+def test_in_place_refuses_to_record():
+    x = torch.randn(4, 2, 8, requires_grad=True)
+    cos, sin = tables(rope_freqs(4, 8), 1.0, torch.float32)
+    with pytest.raises(RuntimeError, match="mla_rope_: the in-place form is not differentiable"):
+        torch.ops.verl_ops.mla_rope_(x, cos, sin, torch.zeros(4, dtype=torch.int64))
+    with torch.no_grad():
+        torch.ops.verl_ops.mla_rope_(x, cos, sin, torch.zeros(4, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="mla_rope_: positions must be"):
+        torch.ops.verl_ops.mla_rope_(x.detach(), cos, sin, torch.zeros(3, dtype=torch.int64))
+
+
+def test_in_place_opcheck():
+    x = torch.randn(6, 2, 8, dtype=torch.float64)
+    cos, sin = tables(rope_freqs(9, 8), 0.7, torch.float64)
+    pos = torch.tensor([0, 8, 3, 3, 1, 4])
+    torch.library.opcheck(torch.ops.verl_ops.mla_rope_.default, (x, cos, sin, pos, True, True))
+
+
 def test_non_contiguous_grad_and_zero_rows():
     x = torch.randn(0, 2, 8, requires_grad=True)
     cos, sin = tables(rope_freqs(4, 8), 1.0, torch.float32)

@@ -266,6 +266,10 @@ class RopePlan:
     def apply(self, x, backward=False):
         return _ops.mla_rope(x, self.cos, self.sin, self.positions, self.interleaved, bool(backward))
 
+    def apply_(self, x, backward=False):
+        """:meth:`apply` written into ``x`` (one pass, no buffer where ``x``'s rows are aligned)."""
+        _ops.mla_rope_(x, self.cos, self.sin, self.positions, self.interleaved, bool(backward))
+
 
 class _LatentAttention(torch.autograd.Function):
     @staticmethod
@@ -288,7 +292,7 @@ class _LatentAttention(torch.autograd.Function):
                 grad_out.contiguous(), q[..., :NOPE], q_pe, kv[..., :NOPE], k_pe_r, kv[..., NOPE:], out, lse,
                 cu_q, cu_kv, max_q, max_kv, True, scale)
             # dq is this function's own buffer: its rope columns are turned back in place.
-            dq[..., NOPE:] = rope_q.apply(dq[..., NOPE:], backward=True)
+            rope_q.apply_(dq[..., NOPE:], backward=True)
             if _shared_k_pe(k_pe_r, kv.shape[1]):
                 dkpe = dkpe.sum(1, keepdim=True)
             dk_pe = rope_k.apply(dkpe, backward=True).reshape(k_pe_shape)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._library import register_autograd
+from ._library import _after_autograd, _autograd_lib, redispatcher, register_autograd
 from ._validate import check_plain
 
 _ops = torch.ops.verl_ops
@@ -38,6 +38,32 @@ def _backward(ctx, grad):
 
 # torch.library.register_autograd, its kernel testing a Tensor argument for None first.
 register_autograd("verl_ops::mla_rope", _backward, setup_context=_setup_context)
+
+
+@torch.library.register_fake("verl_ops::mla_rope_")
+def _mla_rope_inplace_fake(x, cos, sin, positions, interleaved=True, backward=False):
+    torch._check(x.dim() == 3, lambda: f"{OP}_: x must be [rows, heads, dim], got {tuple(x.shape)}")
+    return None
+
+
+_inplace_redispatch = redispatcher(_ops.mla_rope_.default)
+
+
+def _inplace_autograd(keyset, x, cos, sin, positions, interleaved=True, backward=False):
+    """mla_rope_ is not differentiable (it rotates a buffer in place: a gradient's rope columns):
+    refused where autograd would have to record it; otherwise run below Autograd, x's version
+    counter bumped as for any in-place op."""
+    for name, t in (("x", x), ("cos", cos), ("sin", sin), ("positions", positions)):
+        if t is None:
+            raise ValueError(f"{OP}_: {name} must be a tensor, got None")
+    if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
+        raise RuntimeError(f"{OP}_: the in-place form is not differentiable (x, cos or sin requires grad); "
+                           f"use verl_ops.mla_rope")
+    _inplace_redispatch(keyset & _after_autograd, x, cos, sin, positions, interleaved, backward)
+    torch.autograd.graph.increment_version(x)
+
+
+_autograd_lib.impl("mla_rope_", _inplace_autograd, "Autograd", with_keyset=True)
 
 
 def mla_rope(

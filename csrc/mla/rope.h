@@ -25,6 +25,7 @@ namespace core {
 struct RopeProblem {
   int64_t rows, heads, dim;           // data [rows, heads, dim]
   int64_t row_stride, head_stride;    // of the input, in elements (inner stride 1)
+  int64_t out_row_stride, out_head_stride;  // of the output (inner stride 1)
   int64_t table_rows;                 // cos / sin [table_rows, dim], contiguous
   bool interleaved;                   // MLA's de-interleave of the rope dims
   bool backward;

@@ -7,9 +7,7 @@ namespace ops {
 
 namespace {
 
-constexpr const char* kOp = "mla_rope";
-
-int dtype_code(st::ScalarType t) {
+int dtype_code(const char* kOp, st::ScalarType t) {
   if (t == st::kFloat) return 0;
   if (t == st::kDouble) return 1;
   if (t == st::kHalf) return 2;
@@ -20,13 +18,14 @@ int dtype_code(st::ScalarType t) {
 }  // namespace
 
 RopeCall prepare_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
-                      bool interleaved, bool backward) {
+                      bool interleaved, bool backward, bool in_place) {
+  const char* kOp = in_place ? "mla_rope_" : "mla_rope";
   const char* x_name = backward ? "grad" : "x";
   VERL_CHECK(x.dim() == 3, kOp, ": ", x_name, " must be [rows, heads, dim], got ", st::shape_of(x));
   const int64_t dim = x.size(2);
   VERL_CHECK(dim % 2 == 0 && dim > 0, kOp, ": the rope dim (", x_name, ".size(2)) must be even and > 0, got ", dim);
   RopeCall c;
-  c.dtype = dtype_code(x.scalar_type());
+  c.dtype = dtype_code(kOp, x.scalar_type());
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"cos", &cos}, {"sin", &sin}}) {
     VERL_CHECK(t->dim() == 2 && t->size(1) == dim, kOp, ": ", name, " must be [table_rows, ", dim, "], got ",
                st::shape_of(*t));
@@ -63,16 +62,40 @@ RopeCall prepare_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, con
                  " is outside the ", c.problem.table_rows, " rows of cos / sin");
     }
   }
-  c.out = st::output(kOp, x_name, x, {x.size(0), x.size(1), dim}, x.scalar_type());
+  if (in_place && c.x.data_ptr() == x.data_ptr()) {
+    c.out = x;  // written in place where the kernel can (else into a buffer, copied back)
+  } else {
+    c.out = st::output(kOp, x_name, x, {x.size(0), x.size(1), dim}, x.scalar_type());
+  }
+  c.problem.out_row_stride = c.out.stride(0);
+  c.problem.out_head_stride = c.out.stride(1);
   return c;
+}
+
+Tensor rope_buffer(RopeCall& c) {
+  c.out = st::empty(c.x, {c.problem.rows, c.problem.heads, c.problem.dim}, c.x.scalar_type());
+  c.problem.out_row_stride = c.problem.heads * c.problem.dim;
+  c.problem.out_head_stride = c.problem.dim;
+  return c.out;
 }
 
 Tensor mla_rope_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
                     bool interleaved, bool backward) {
-  const RopeCall c = prepare_rope(x, cos, sin, positions, interleaved, backward);
+  const RopeCall c = prepare_rope(x, cos, sin, positions, interleaved, backward, false);
   cpu::mla_rope(c.problem, c.dtype, c.x.data_ptr(), c.cos.data_ptr(), c.sin.data_ptr(),
                 st::ptr<int64_t>(c.positions), c.out.data_ptr());
   return c.out;
+}
+
+// In place: the CPU kernel writes a buffer, copied back into x.
+void mla_rope_inplace_cpu(const Tensor& x, const Tensor& cos, const Tensor& sin, const Tensor& positions,
+                          bool interleaved, bool backward) {
+  RopeCall c = prepare_rope(x, cos, sin, positions, interleaved, backward, true);
+  if (c.problem.rows * c.problem.heads == 0) return;
+  rope_buffer(c);
+  cpu::mla_rope(c.problem, c.dtype, c.x.data_ptr(), c.cos.data_ptr(), c.sin.data_ptr(),
+                st::ptr<int64_t>(c.positions), c.out.data_ptr());
+  st::copy_into(x, c.out);
 }
 
 }  // namespace ops

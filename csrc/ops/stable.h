@@ -578,7 +578,11 @@ struct Boxed<F> {
   static void run(StableIValue* stack, std::index_sequence<I...>) {
     std::tuple<unboxed_t<Args>...> args{sv_to<unboxed_t<Args>>(stack[I])...};
     (check_defined(std::get<I>(args), I), ...);
-    box_returns(stack, F(std::get<I>(args)...));
+    if constexpr (std::is_void_v<R>) {
+      F(std::get<I>(args)...);  // an in-place op: returns nothing
+    } else {
+      box_returns(stack, F(std::get<I>(args)...));
+    }
   }
   static void call(StableIValue* stack, uint64_t /*num_args*/, uint64_t /*num_outputs*/) {
     run(stack, std::index_sequence_for<Args...>{});

@@ -76,7 +76,7 @@ void rope_rows(const core::RopeProblem& p, const void* x_, const void* cos_, con
     const S* s = sn + positions[r] * p.dim;
     for (int64_t h = 0; h < p.heads; ++h) {
       const S* xi = x + r * p.row_stride + h * p.head_stride;
-      S* oi = out + (r * p.heads + h) * p.dim;
+      S* oi = out + r * p.out_row_stride + h * p.out_head_stride;
       for (int64_t k = 0; k < half; ++k) {
         int64_t i0, i1, o0, o1;
         core::rope_pair_offsets(p, k, &i0, &i1, &o0, &o1);
