@@ -10,6 +10,7 @@
 #include "ops/jagged_ops.h"
 #include "ops/merge_ops.h"
 #include "mla/rope_ops.h"
+#include "ops/log_probs_ops.h"
 #include "ops/router_ops.h"
 #include "ops/stable.h"
 #include "ops/thd_ops.h"
@@ -125,6 +126,22 @@ STABLE_TORCH_LIBRARY(verl_ops, m) {
       "SymInt max_seqlen_kv, bool causal=True, float? softmax_scale=None) "
       "-> (Tensor grad_q, Tensor grad_kv, Tensor grad_k_pe)");
   // --- end mla_latent ---
+
+  // --- vocab_log_probs (docs/ops.md#vocab_log_probs) ---
+  // Log-probabilities of labels under a softmax over logits' last dim, this rank's vocabulary slice
+  // [vocab_start, vocab_start + V): Megatron-Core's vocab_parallel_cross_entropy negated, float32
+  // math, one pass forward. logits [*, V] float32 / float64 / float16 / bfloat16 (inner stride 1),
+  // labels [*] int64 / int32. Returns float32 [*] each: log_probs (final for one slice), logits_max,
+  // sum_exp (of exp(x - logits_max)), label_logit (x at the label where it lies in the slice, else 0).
+  VERL_DEF(m,
+      "vocab_log_probs_forward(Tensor logits, Tensor labels, int vocab_start=0) "
+      "-> (Tensor log_probs, Tensor logits_max, Tensor sum_exp, Tensor label_logit)");
+  // grad_logits [*, V] in logits' dtype = (exp(x - logits_max) / sum_exp - onehot(label)) * -grad_log_probs,
+  // logits_max and sum_exp being the whole vocabulary's.
+  VERL_DEF(m,
+      "vocab_log_probs_backward(Tensor grad_log_probs, Tensor logits, Tensor labels, Tensor logits_max, "
+      "Tensor sum_exp, int vocab_start=0) -> Tensor");
+  // --- end vocab_log_probs ---
 }
 
 STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
@@ -145,6 +162,8 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CPU, m) {
   VERL_IMPL(m, "mla_cache_info", &verl_ops::ops::mla_cache_info);
   VERL_IMPL(m, "mla_rope", &verl_ops::ops::mla_rope_cpu);
   VERL_IMPL(m, "mla_rope_", &verl_ops::ops::mla_rope_inplace_cpu);
+  VERL_IMPL(m, "vocab_log_probs_forward", &verl_ops::ops::vocab_log_probs_forward_cpu);
+  VERL_IMPL(m, "vocab_log_probs_backward", &verl_ops::ops::vocab_log_probs_backward_cpu);
 }
 
 #ifdef VERL_OPS_WITH_CUDA
@@ -167,5 +186,7 @@ STABLE_TORCH_LIBRARY_IMPL(verl_ops, CUDA, m) {
   VERL_IMPL(m, "mla_rope_", &verl_ops::ops::mla_rope_inplace_cuda);
   VERL_IMPL(m, "mla_latent_forward", &verl_ops::ops::mla_latent_forward_cuda);
   VERL_IMPL(m, "mla_latent_backward", &verl_ops::ops::mla_latent_backward_cuda);
+  VERL_IMPL(m, "vocab_log_probs_forward", &verl_ops::ops::vocab_log_probs_forward_cuda);
+  VERL_IMPL(m, "vocab_log_probs_backward", &verl_ops::ops::vocab_log_probs_backward_cuda);
 }
 #endif

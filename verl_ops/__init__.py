@@ -10,6 +10,7 @@ from . import _library  # noqa: F401  (loads _C, and _C_layers under torch >= 2.
 # Each op family's module registers its ops' fake (Meta) kernels and autograd on import:
 # layout (thd_layout, thd_layout_info), _thd, _jagged, _mla, dynamic_cp, router.
 from ._jagged import jagged_gather, jagged_scatter
+from ._log_probs import vocab_parallel_log_probs
 from ._mla import mla_cache_info, mla_forward_padded
 from ._mla_cp import mla_cp_attention
 from ._mla_latent import mla_latent_attention
@@ -39,6 +40,7 @@ __all__ = [
     "mla_cp_attention",
     "mla_latent_attention",
     "mla_rope",
+    "vocab_parallel_log_probs",
     "cuda_available",
     "__version__",
 ]

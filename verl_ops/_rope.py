@@ -52,10 +52,8 @@ _inplace_redispatch = redispatcher(_ops.mla_rope_.default)
 def _inplace_autograd(keyset, x, cos, sin, positions, interleaved=True, backward=False):
     """mla_rope_ is not differentiable (it rotates a buffer in place: a gradient's rope columns):
     refused where autograd would have to record it; otherwise run below Autograd, x's version
-    counter bumped as for any in-place op."""
-    for name, t in (("x", x), ("cos", cos), ("sin", sin), ("positions", positions)):
-        if t is None:
-            raise ValueError(f"{OP}_: {name} must be a tensor, got None")
+    counter bumped as for any in-place op. (A None in a Tensor argument is refused before this
+    kernel runs: _autograd_lib's Autograd kernels check it first.)"""
     if torch.is_grad_enabled() and (x.requires_grad or cos.requires_grad or sin.requires_grad):
         raise RuntimeError(f"{OP}_: the in-place form is not differentiable (x, cos or sin requires grad); "
                            f"use verl_ops.mla_rope")

@@ -56,6 +56,7 @@ DATA_MODULES = (
     "verl.models.mcore.util",
     "verl.utils.megatron.router_replay_utils",
     "verl.utils.dynamic_cp_scheduler",
+    "verl.utils.megatron.tensor_parallel",
 )
 MLA_MODULE = "megatron.core.transformer.multi_latent_attention"
 GPT_MODEL_MODULE = "megatron.core.models.gpt.gpt_model"

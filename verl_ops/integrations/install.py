@@ -25,6 +25,7 @@ _OWNERS: dict[str, str] = {
     "merge_nested_router_maps": "verl.utils.megatron.router_replay_utils",
     "DynamicCPScheduler": "verl.utils.dynamic_cp_scheduler",
     "postprocess_dynamic_cp_batch": "verl.utils.dynamic_cp_scheduler",
+    "vocab_parallel_log_probs_from_logits": "verl.utils.megatron.tensor_parallel",
 }
 # (module name, attribute) -> verl's original function, for uninstall().
 _ORIGINALS: dict[tuple[str, str], object] = {}
@@ -36,7 +37,7 @@ def _all_drop_ins() -> dict:
     """Every drop-in by its name in verl: the THD ones (verl), the BSHD / dict-output / VLM-mask
     ones (verl_bshd), the R3 / router padding-mask ones (verl_r3), the pipeline-parallel
     router-map ones (verl_pp) and the dynamic CP scheduler class and output collection (verl_dcp)."""
-    from . import verl, verl_bshd, verl_dcp, verl_pp, verl_r3
+    from . import verl, verl_bshd, verl_dcp, verl_logprob, verl_pp, verl_r3
 
     out = dict(verl._DROP_INS)
     out.update({name: getattr(verl_bshd, name) for name in verl_bshd.__all__})
@@ -48,6 +49,7 @@ def _all_drop_ins() -> dict:
     out.update({name: getattr(verl_pp, name) for name in verl_pp.__all__})
     out["DynamicCPScheduler"] = verl_dcp.DynamicCPScheduler
     out["postprocess_dynamic_cp_batch"] = verl_dcp.postprocess_dynamic_cp_batch
+    out["vocab_parallel_log_probs_from_logits"] = verl_logprob.vocab_parallel_log_probs_from_logits
     return out
 
 
@@ -75,6 +77,8 @@ def install(*, strict: bool = False, report: bool = False, owners=None):
     ``verl.utils.megatron.router_replay_utils``), the pipeline-parallel router-map ones of
     :mod:`verl_ops.integrations.verl_pp` and the dynamic CP ones of
     :mod:`verl_ops.integrations.verl_dcp` (``DynamicCPScheduler``, ``postprocess_dynamic_cp_batch``)
+    and the log-prob one of :mod:`verl_ops.integrations.verl_logprob`
+    (``vocab_parallel_log_probs_from_logits`` in ``verl.utils.megatron.tensor_parallel``)
     in the verl module that owns them (``verl.models.mcore.util`` unless named)
     and in every already-imported ``verl.*`` module that imported them by name (e.g.
     ``verl.models.mcore.model_forward``); modules imported later pick the drop-ins up from the

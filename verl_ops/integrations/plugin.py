@@ -51,7 +51,7 @@ def patch_data_path(owner: str) -> dict:
     rep["left alone"] += left
     short = sorted({p.rsplit(".", 1)[1] for p in result["patched"]})
     _plugin.info_once(
-        "data",
+        f"data:{owner}",
         f"verl {_plugin._verl_version()}: {owner}: {len(short)} drop-ins in place ({_names(short)}), "
         f"{len(result['patched'])} bindings in {len({p.rsplit('.', 1)[0] for p in result['patched']})} "
         f"modules; left alone: {_names(left)}. verl's other data-path modules get theirs when imported.",
