@@ -25,12 +25,13 @@ One step, as verl's model engine runs it (``verl/models/mcore/model_forward.py``
   forward   ``GPTModel(input_ids, position_ids=None, attention_mask=None, packed_seq_params)``
             -> logits ``[1, T, V]``
   log-probs ``-vocab_parallel_cross_entropy(logits, labels)`` (verl's
-            ``vocab_parallel_log_probs_from_logits``)
+            ``vocab_parallel_log_probs_from_logits``); verl_ops' paths: its drop-in
+            (``verl_ops.integrations.verl_logprob``, one pass over the logits)
   unpack    ``postprocess_thd_engine(log_probs)`` -> jagged ``[B, j]``
   loss      ``-sum(log_probs * advantages * response_mask) / sum(response_mask)``, backward
 
 Paths (one model, so the same weights; between runs only the MLA core-attention modules, the
-pack/unpack functions and the megatron-core functions that ``megatron_mla.install`` replaced are
+pack/unpack and log-prob functions and the megatron-core functions that ``megatron_mla.install`` replaced are
 swapped — the latter found by comparing megatron-core's module and class attributes before and
 after the model is built, and printed):
   verl      verl 0.9.1's own ``preprocess_thd_engine`` / ``postprocess_thd_engine`` (the installed
@@ -438,7 +439,13 @@ class Step:
         self.path = None
         from megatron.core import tensor_parallel
 
-        self.cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
+        from verl_ops.integrations.verl_logprob import vocab_parallel_log_probs_from_logits
+
+        cross_entropy = tensor_parallel.vocab_parallel_cross_entropy
+        # verl's vocab_parallel_log_probs_from_logits is -cross_entropy; verl_ops' paths run the drop-in.
+        self.log_probs = {path: (vocab_parallel_log_probs_from_logits if path in ("verl_ops", CAT_PATH)
+                                 else (lambda logits, labels: -cross_entropy(logits, labels)))
+                          for path in self.paths}
 
     def use(self, path):
         for m, core in zip(self.mlas, self.cores[path]):
@@ -462,7 +469,7 @@ class Step:
                 packed_seq_params=psp,
             )
             with torch.profiler.record_function("bench::logprob"):
-                log_probs = -self.cross_entropy(logits, labels.contiguous())  # [1, T]
+                log_probs = self.log_probs[self.path](logits, labels.contiguous())  # [1, T]
             with torch.profiler.record_function("bench::unpack"):
                 out = pack.postprocess_thd_engine(log_probs, psp, batch.input_ids, len(batch.lengths))
             with torch.profiler.record_function("bench::loss"):
