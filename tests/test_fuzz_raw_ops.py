@@ -103,7 +103,7 @@ OPS = (
     "thd_layout", "thd_layout_info", "preprocess_thd", "postprocess_thd", "jagged_gather",
     "jagged_scatter", "router_topk_record", "router_topk_record_layers", "router_topk_scatter",
     "merge_router_topk", "dynamic_cp_split", "dynamic_cp_merge", "dynamic_cp_merge_header",
-    "dynamic_cp_merge_index",
+    "dynamic_cp_merge_index", "vocab_log_probs_forward", "vocab_log_probs_backward",
 )
 # The names an op's messages may use (router_topk_record_layers shares router_topk_record's checks
 # and words; the dispatcher's own errors name the schema).
@@ -112,7 +112,8 @@ WEIGHTS = {
     "thd_layout": 6, "thd_layout_info": 6, "preprocess_thd": 14, "postprocess_thd": 14,
     "jagged_gather": 8, "jagged_scatter": 8, "router_topk_record": 9, "router_topk_record_layers": 6,
     "router_topk_scatter": 11, "merge_router_topk": 7, "dynamic_cp_split": 5, "dynamic_cp_merge": 6,
-    "dynamic_cp_merge_header": 4, "dynamic_cp_merge_index": 5,
+    "dynamic_cp_merge_header": 4, "dynamic_cp_merge_index": 5, "vocab_log_probs_forward": 6,
+    "vocab_log_probs_backward": 6,
 }
 
 
@@ -963,6 +964,112 @@ def spec_merge_index(args, device):
     return bad, (check_buf, check_cu)
 
 
+LOGIT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def check_log_probs_args(bad: Violations, logits, labels, vocab_start) -> bool:
+    """vocab_log_probs' contract on logits [*, V > 0] (float32 / float64 / float16 / bfloat16, any
+    strides), labels [*] = logits.shape[:-1] (int64 / int32, logits' device) and vocab_start >= 0;
+    True when the rows' shape is known (logits is not 0-d)."""
+    if logits.dim() < 1:
+        bad.add("static", "logits", "logits must be [*, vocab]")
+    elif logits.shape[-1] == 0:
+        bad.add("static", ("logits", "vocab"), "logits' last dim (the vocabulary slice) must be > 0")
+    if logits.dtype not in LOGIT_DTYPES:
+        bad.add("static", "logits", f"logits must be float32, float64, float16 or bfloat16, got {logits.dtype}")
+    if vocab_start < 0:
+        bad.add("static", "vocab_start", "vocab_start must be >= 0")
+    if logits.dim() >= 1 and tuple(labels.shape) != tuple(logits.shape[:-1]):
+        bad.add("static", "labels", "labels must have logits' shape less its last dim")
+    if labels.dtype not in (torch.int64, torch.int32):
+        bad.add("static", "labels", f"labels must be int64 or int32, got {labels.dtype}")
+    if not _same_dev(labels, logits):
+        bad.add("static", "labels", "labels on another device", meta=False)
+    return logits.dim() >= 1
+
+
+def ref_log_probs(logits, labels, vocab_start):
+    """The documented math per row (x = logits.float(), evaluated in float64): (x [R, V], m, s, the
+    label's column (0 where outside), inside [R]); m and s [R] are float64."""
+    V = logits.shape[-1]
+    x = logits.detach().cpu().float().reshape(-1, V)
+    xd = x.double()
+    m = xd.amax(dim=-1)
+    s = torch.exp(xd - m[:, None]).sum(dim=-1)
+    t = [int(v) - vocab_start for v in labels.cpu().reshape(-1).tolist()]  # exact: no wrapping
+    inside = torch.tensor([0 <= u < V for u in t], dtype=torch.bool)
+    col = torch.tensor([u if 0 <= u < V else 0 for u in t], dtype=torch.int64)
+    return x, m, s, col, inside
+
+
+def close_check(what, want, dtype, device, rtol, atol, exact=False, rounded=False):
+    """A check (actual -> None or a message) of a tensor close to `want` (float64, the reference's
+    shape): NaN where the reference is NaN, infinities equal, else within rtol / atol of it (of it
+    rounded to `dtype`: rounded), or equal to it rounded to `dtype` (exact)."""
+    def check(out):
+        if not _is_t(out):
+            return f"{what} is {type(out).__name__}"
+        if out.dtype != dtype or tuple(out.shape) != tuple(want.shape) or out.device != torch.device(device):
+            return f"{what}: {out.dtype}{list(out.shape)}@{out.device}, want {dtype}{list(want.shape)}@{device}"
+        got = out.detach().cpu().double()
+        w = want.to(dtype).double() if exact or rounded else want
+        ok = torch.isclose(got, w, rtol=0 if exact else rtol, atol=0 if exact else atol, equal_nan=True)
+        if not bool(ok.all()):
+            i = (~ok).nonzero()[0].tolist()
+            return f"{what}[{i}] = {got[tuple(i)].item()!r}, reference {w[tuple(i)].item()!r}"
+        return None
+    return check
+
+
+def spec_log_probs_forward(args, device):
+    logits, labels, vocab_start = args
+    bad = Violations()
+    check_log_probs_args(bad, logits, labels, vocab_start)
+    if bad:
+        return bad, None
+    rows = tuple(labels.shape)
+    x, m, s, col, inside = ref_log_probs(logits, labels, vocab_start)
+    xt = x.gather(1, col[:, None])[:, 0].double()
+    label_logit = torch.where(inside, xt, torch.zeros_like(xt))
+    log_probs = -(torch.log(s) - torch.where(inside, xt - m, torch.zeros_like(xt)))
+    where = logits.device
+    tol = dict(rtol=1e-5, atol=1e-5)
+    return bad, (close_check("log_probs", log_probs.reshape(rows), torch.float32, where, **tol),
+                 close_check("logits_max", m.reshape(rows), torch.float32, where, 0, 0, exact=True),
+                 close_check("sum_exp", s.reshape(rows), torch.float32, where, **tol),
+                 close_check("label_logit", label_logit.reshape(rows), torch.float32, where, 0, 0, exact=True))
+
+
+def spec_log_probs_backward(args, device):
+    grad, logits, labels, logits_max, sum_exp, vocab_start = args
+    bad = Violations()
+    if check_log_probs_args(bad, logits, labels, vocab_start):
+        rows = tuple(logits.shape[:-1])
+        for name, t in (("grad_log_probs", grad), ("logits_max", logits_max), ("sum_exp", sum_exp)):
+            if tuple(t.shape) != rows:
+                bad.add("static", name, f"{name} must have labels' shape")
+            if t.dtype != torch.float32:
+                bad.add("static", name, f"{name} must be float32, got {t.dtype}")
+            if not _same_dev(t, logits):
+                bad.add("static", name, f"{name} on another device", meta=False)
+    if bad:
+        return bad, None
+    # In float32 as documented: logits_max / sum_exp are any floats (several slices' statistics, or
+    # not these logits' at all), where exp(x - m) may overflow.
+    x, _m, _s, col, inside = ref_log_probs(logits, labels, vocab_start)
+    m = logits_max.cpu().reshape(-1, 1)
+    s = sum_exp.cpu().reshape(-1, 1)
+    g = grad.cpu().reshape(-1, 1)
+    onehot = torch.zeros_like(x)
+    onehot[inside, col[inside]] = 1.0
+    want = ((torch.exp(x - m) / s - onehot) * -g).double().reshape(logits.shape)
+    dtype = logits.dtype
+    if dtype in (torch.float16, torch.bfloat16):  # computed in float32, rounded once: one rounding apart
+        return bad, (close_check("grad_logits", want, dtype, logits.device, torch.finfo(dtype).eps, 1e-5,
+                                 rounded=True),)
+    return bad, (close_check("grad_logits", want, dtype, logits.device, 1e-5, 1e-5),)
+
+
 SPECS = {
     "thd_layout": lambda a, d: spec_thd_layout(a, d, info=False),
     "thd_layout_info": lambda a, d: spec_thd_layout(a, d, info=True),
@@ -978,6 +1085,8 @@ SPECS = {
     "dynamic_cp_merge": spec_merge,
     "dynamic_cp_merge_header": spec_merge_header,
     "dynamic_cp_merge_index": spec_merge_index,
+    "vocab_log_probs_forward": spec_log_probs_forward,
+    "vocab_log_probs_backward": spec_log_probs_backward,
 }
 # The Meta check: ops whose output sizes depend on data that is not a SymInt argument have none
 # (dynamic_cp_merge: the merged rows); dynamic_cp_split keeps its lengths on the host (argument 1),
@@ -1722,6 +1831,168 @@ def gen_merge_index(rng, g, device):
     return b
 
 
+def _lead_shape(rng) -> tuple:
+    """[*] of a log-probs call: none, one, two or three leading dims (zeros and ones among them),
+    at most 64 rows."""
+    k = rng.choices([0, 1, 2, 3], weights=[2, 8, 6, 2])[0]
+    dims = []
+    for _ in range(k):
+        r = rng.random()
+        dims.append(0 if r < 0.07 else 1 if r < 0.2 else rng.randint(2, (64, 8, 4)[k - 1]))
+    return tuple(dims)
+
+
+def gen_logits(rng, g, lead, V, dtype):
+    """logits [*lead, V] of `dtype`, contiguous or a view with inner stride 1 (a slice of wider
+    rows, every other leading row), sometimes with -inf (masked), +inf or NaN entries."""
+    how = rng.choice(["contiguous", "contiguous", "wide", "step"])
+    extra = rng.randint(1, 9) if how == "wide" else 0
+    shape = list(lead) + [V + extra]
+    if how == "step" and lead:
+        d = rng.randrange(len(lead))
+        shape[d] *= 2
+    scale = rng.choice([0.1, 1.0, 4.0, 10.0, 100.0])
+    full = torch.randn(shape, generator=g, dtype=torch.float64) * scale
+    if full.numel() and rng.random() < 0.2:
+        flat = full.view(-1)
+        for _ in range(rng.randint(1, 4)):
+            flat[rng.randrange(flat.numel())] = rng.choice([-math.inf, -math.inf, -math.inf, math.inf, math.nan])
+    if full.numel() and full.dim() >= 2 and rng.random() < 0.05:
+        full.view(-1, full.shape[-1])[rng.randrange(full.numel() // full.shape[-1])] = -math.inf  # a masked row
+    full = full.to(dtype)
+    if how == "wide":
+        off = rng.randint(0, extra)
+        full = full[..., off:off + V]
+    elif how == "step" and lead:
+        full = full[(slice(None),) * d + (slice(None, None, 2),)]
+    if rng.random() < 0.3:
+        full = _unit_stride(rng, full, None)[0]
+    return full
+
+
+def gen_labels(rng, g, lead, V, vocab_start, dtype):
+    """labels [*lead]: mostly inside [vocab_start, vocab_start + V), some just outside, -100 (the
+    ignore index), far away."""
+    n = math.prod(lead)
+    vals = []
+    for _ in range(n):
+        r = rng.random()
+        if r < 0.75:
+            vals.append(vocab_start + rng.randrange(V))
+        else:
+            vals.append(rng.choice([vocab_start - 1, vocab_start + V, vocab_start + V + 1, -1, -100, 0,
+                                    rng.randint(-(2**31), 2**31 - 1)]))
+    return torch.tensor(vals, dtype=torch.int64).reshape(lead).to(dtype)
+
+
+def _unit_stride(rng, t, device):
+    """t with its size-1 leading dims given other strides (any stride is theirs: a transpose, a
+    slice or a permute leaves them so; is_contiguous() may stay True)."""
+    ones = [d for d in range(t.dim() - 1) if t.shape[d] == 1]
+    if not ones:
+        return t, "no size-1 dim"
+    stride = list(t.stride())
+    for d in ones:
+        stride[d] = rng.choice([0, 1, 7, t.shape[-1], 3 * t.numel() + 5])
+    return t.as_strided(t.shape, stride), "size-1 dim strides"
+
+
+def _vocab_zero(rng, t, device):
+    if t.dim() == 0:
+        return None
+    return t[..., :0], "vocab=0"
+
+
+def _vocab_drop(rng, t, device):
+    if t.dim() == 0 or t.shape[-1] < 2:
+        return None
+    return t[..., :-1], "vocab-1"
+
+
+LOGITS_MUTATORS = [_noncontig, _offset, _expand, _transposed, _empty, _unsqueeze, _flatten0d, _move, _drop_last,
+                   _vocab_zero, _vocab_drop, lambda r, t, d: None if t.dim() < 2 or 1 not in t.shape[:-1]
+                   else _unit_stride(r, t, d),
+                   _dtype_to(torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                             torch.bool, torch.uint8)]
+LABELS_MUTATORS = [_noncontig, _offset, _expand, _empty, _unsqueeze, _flatten0d, _move, _drop_last,
+                   _dtype_to(torch.int64, torch.int32, torch.int16, torch.uint8, torch.float32, torch.bool)]
+STATS_MUTATORS = [_noncontig, _offset, _expand, _empty, _unsqueeze, _flatten0d, _move, _drop_last,
+                  _dtype_to(torch.float64, torch.float16, torch.bfloat16, torch.int64)]
+
+
+def _log_probs_mutators(b, V):
+    b.tensor_mut("logits", LOGITS_MUTATORS, weight=2)
+    b.tensor_mut("labels", LABELS_MUTATORS, weight=1.5)
+
+    def label_value(b):
+        t = b.a["labels"]
+        if not _is_t(t) or t.numel() == 0 or t.dtype not in (torch.int64, torch.int32):
+            return None
+        t = t.clone(memory_format=torch.contiguous_format)
+        flat = t.view(-1)
+        k = b.rng.randrange(flat.numel())
+        vs = b.a["vocab_start"]
+        info = torch.iinfo(t.dtype)
+        v = b.rng.choice([vs - 1, vs, vs + V - 1, vs + V, -1, -100, info.max, info.min])
+        v = max(info.min, min(info.max, v))
+        flat[k] = v
+        b.a["labels"] = t
+        return f"labels[flat {k}]={v}"
+    b.custom(label_value, 1.5)
+    b.int_mut("vocab_start", [-1, -5, -(2**63), 0, 1, V, 2**31, 2**62, INT64_MAX, b.a["vocab_start"] + 1])
+
+    def extreme_start(b):  # label - vocab_start does not fit int64
+        t = b.a["labels"]
+        if not _is_t(t) or t.numel() == 0 or t.dtype != torch.int64:
+            return None
+        t = t.clone(memory_format=torch.contiguous_format)
+        k = b.rng.randrange(t.numel())
+        t.view(-1)[k] = -(2**63) + b.rng.randint(0, 3)
+        b.a["labels"] = t
+        b.a["vocab_start"] = b.rng.choice([INT64_MAX, INT64_MAX - 1, 2**62 + 1])
+        return f"labels[flat {k}]={int(t.view(-1)[k])}, vocab_start={b.a['vocab_start']}"
+    b.custom(extreme_start, 0.3)
+
+
+def _log_probs_call(rng, g, device):
+    lead = _lead_shape(rng)
+    V = rng.choice([1, 2, 3, 7, 32, 64, 129, rng.randint(1, 384)])
+    dtype = rng.choice(LOGIT_DTYPES)
+    ldt = rng.choice([torch.int64, torch.int32])
+    vocab_start = rng.choice([0, 0, 0, V, 3 * V, rng.randint(1, 100000)])
+    logits = gen_logits(rng, g, lead, V, dtype).to(device)
+    labels = gen_labels(rng, g, lead, V, vocab_start, ldt).to(device)
+    return lead, V, logits, labels, vocab_start
+
+
+def gen_log_probs_forward(rng, g, device):
+    _lead, V, logits, labels, vocab_start = _log_probs_call(rng, g, device)
+    b = Builder(rng, device, "vocab_log_probs_forward", ["logits", "labels", "vocab_start"],
+                [logits, labels, vocab_start])
+    _log_probs_mutators(b, V)
+    return b
+
+
+def gen_log_probs_backward(rng, g, device):
+    lead, V, logits, labels, vocab_start = _log_probs_call(rng, g, device)
+    _x, m, s, _col, _inside = ref_log_probs(logits, labels, vocab_start)
+    m, s = m.float().reshape(lead), s.float().reshape(lead)
+    if rng.random() < 0.3:  # the whole vocabulary's statistics, this slice one of several
+        up = torch.rand(lead, generator=g) * 3
+        s = s * torch.exp(-up) + torch.rand(lead, generator=g) * 5
+        m = m + up
+    grad = torch.randn(lead, generator=g) * rng.choice([1.0, 1.0, 0.1, 3.0])
+    if grad.numel() and rng.random() < 0.2:
+        grad.view(-1)[rng.randrange(grad.numel())] = 0.0
+    b = Builder(rng, device, "vocab_log_probs_backward",
+                ["grad_log_probs", "logits", "labels", "logits_max", "sum_exp", "vocab_start"],
+                [grad.to(device), logits, labels, m.to(device), s.to(device), vocab_start])
+    _log_probs_mutators(b, V)
+    for name in ("grad_log_probs", "logits_max", "sum_exp"):
+        b.tensor_mut(name, STATS_MUTATORS)
+    return b
+
+
 GENERATORS = {
     "thd_layout": lambda r, g, d: gen_thd_layout(r, g, d, False),
     "thd_layout_info": lambda r, g, d: gen_thd_layout(r, g, d, True),
@@ -1737,6 +2008,8 @@ GENERATORS = {
     "dynamic_cp_merge": gen_merge,
     "dynamic_cp_merge_header": gen_merge_header,
     "dynamic_cp_merge_index": gen_merge_index,
+    "vocab_log_probs_forward": gen_log_probs_forward,
+    "vocab_log_probs_backward": gen_log_probs_backward,
 }
 
 

@@ -93,6 +93,31 @@ def test_strided_logits_and_slice_offset(device):
     torch.testing.assert_close(verl_ops.vocab_parallel_log_probs(tr, lab), reference(tr, lab)[0])
 
 
+@pytest.mark.parametrize("device", devices())
+def test_size_one_dims_and_extreme_labels(device):
+    """Rows whose leading dims include size-1 dims with any stride (a transposed [1, T, V] is
+    [T, 1, V] with strides (V, T V, 1)), rows one stride cannot walk, and labels whose distance to
+    vocab_start leaves int64 (outside the slice, not wrapped into it)."""
+    g = torch.Generator().manual_seed(6)
+    for x in (torch.randn(1, 3, 16, generator=g).transpose(0, 1),
+              torch.randn(4, 3, 1, 8, generator=g).permute(1, 2, 0, 3),
+              torch.randn(3, 2, 2, 24, generator=g)[:, ::2]):
+        x = x.to(device)
+        labels = torch.randint(0, x.shape[-1], x.shape[:-1], generator=g).to(device)
+        want, want_grad = reference(x, labels)
+        xo = x.clone().requires_grad_(True)
+        got = verl_ops.vocab_parallel_log_probs(x, labels)
+        torch.testing.assert_close(got, want)
+        gout = torch.randn(x.shape[:-1], generator=g).to(device)
+        grad = _ops.vocab_log_probs_backward(gout, x, labels, *_ops.vocab_log_probs_forward(x, labels, 0)[1:3], 0)
+        torch.testing.assert_close(grad, want_grad(gout))
+    logits = torch.randn(2, 8, generator=g).to(device)
+    labels = torch.tensor([-2**63, -2**63 + 2], device=device)
+    lp, _, _, ll = _ops.vocab_log_probs_forward(logits, labels, 2**63 - 1)
+    assert not ll.any()
+    torch.testing.assert_close(lp, -torch.logsumexp(logits, -1))
+
+
 def test_empty_rows():
     x = torch.randn(0, 8, requires_grad=True)
     lp = verl_ops.vocab_parallel_log_probs(x, torch.zeros(0, dtype=torch.int64))

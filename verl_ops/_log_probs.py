@@ -23,6 +23,8 @@ _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 def _check(op, logits, labels, vocab_start):
     torch._check(logits.dim() >= 1, lambda: f"{op}: logits must be [*, vocab], got {tuple(logits.shape)}")
+    torch._check(logits.dim() < 1 or logits.shape[-1] > 0,
+                 lambda: f"{op}: logits' last dim (the vocabulary slice) must be > 0, got {tuple(logits.shape)}")
     torch._check(logits.dtype in _FLOATS,
                  lambda: f"{op}: logits must be float32, float64, float16 or bfloat16, got {logits.dtype}")
     torch._check(tuple(labels.shape) == tuple(logits.shape[:-1]),

@@ -13,6 +13,8 @@
 
 #include <cstdint>
 
+#include "thd_layout.h"  // VERL_HD
+
 namespace verl_ops {
 namespace core {
 
@@ -21,6 +23,11 @@ struct LogProbProblem {
   int64_t row_stride;    // of the logits, in elements (inner stride 1)
   int64_t vocab_start;   // the slice's first vocabulary id
 };
+
+// The label's index in the slice, or -1 where it lies outside (no overflow: vocab_start >= 0).
+VERL_HD int64_t slice_index(int64_t label, const LogProbProblem& p) {
+  return (label >= p.vocab_start && label - p.vocab_start < p.vocab) ? label - p.vocab_start : -1;
+}
 
 }  // namespace core
 }  // namespace verl_ops

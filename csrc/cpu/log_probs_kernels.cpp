@@ -51,8 +51,8 @@ void forward_rows(const core::LogProbProblem& p, const void* logits_, const void
     }
     float s = 0.0f;
     for (int64_t v = 0; v < p.vocab; ++v) s += std::exp(widen(x[v]) - m);
-    const int64_t t = label_at(labels, bits, r) - p.vocab_start;
-    const bool in = t >= 0 && t < p.vocab;
+    const int64_t t = core::slice_index(label_at(labels, bits, r), p);
+    const bool in = t >= 0;
     const float xt = in ? widen(x[t]) : 0.0f;
     const float predicted = in ? xt - m : 0.0f;
     mx[r] = m;
@@ -72,7 +72,7 @@ void backward_rows(const core::LogProbProblem& p, const float* grad, const void*
     T* o = out + r * p.vocab;
     const float g = -grad[r];
     const float m = mx[r], s = se[r];
-    const int64_t t = label_at(labels, bits, r) - p.vocab_start;
+    const int64_t t = core::slice_index(label_at(labels, bits, r), p);
     for (int64_t v = 0; v < p.vocab; ++v) {
       float sm = std::exp(widen(x[v]) - m) / s;
       if (v == t) sm -= 1.0f;

@@ -117,8 +117,8 @@ __global__ void __launch_bounds__(kBlock)
     }
     s = block_sum(s, scratch);
     if (threadIdx.x == 0) {
-      const int64_t t = label_of(labels, r) - p.vocab_start;
-      const bool in = t >= 0 && t < p.vocab;
+      const int64_t t = core::slice_index(label_of(labels, r), p);
+      const bool in = t >= 0;
       const float xt = in ? widen(x[t]) : 0.0f;
       const float predicted = in ? xt - m : 0.0f;
       mx[r] = m;
@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kBlock)
     T* o = out + r * p.vocab;
     const float g = -grad[r];
     const float m = mx[r], s = se[r];
-    const int64_t t = label_of(labels, r) - p.vocab_start;
+    const int64_t t = core::slice_index(label_of(labels, r), p);
     for (int64_t i = threadIdx.x; i < vecs; i += kBlock) {
       const Vec<T, VEC> v = load<T, VEC>(x + i * VEC);
       Vec<T, VEC> w;

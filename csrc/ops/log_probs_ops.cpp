@@ -15,15 +15,22 @@ int dtype_code(const char* op, st::ScalarType t) {
   st::fail(op, ": logits must be float32, float64, float16 or bfloat16, got ", st::dtype_name(t));
 }
 
-// Rows [*] of t (all but the last dim) walkable with one stride: each leading dim's stride is the
-// next one's times its size.
-bool rows_uniform(const Tensor& t) {
-  if (t.dim() == 0) return false;
-  if (t.size(t.dim() - 1) > 1 && t.stride(t.dim() - 1) != 1) return false;
-  for (int64_t d = 0; d + 2 < t.dim(); ++d) {
-    if (t.size(d) > 1 && t.stride(d) != t.stride(d + 1) * t.size(d + 1)) return false;
+// The stride between t's rows (all but the last dim, walked in order) where one stride walks them
+// all, else -1. Size-1 dims place nothing: only the other leading dims must nest (each one's stride
+// the next one's times its size); the row stride is the innermost of them (any value when there is
+// at most one row).
+int64_t uniform_row_stride(const Tensor& t) {
+  const int64_t last = t.dim() - 1;
+  if (t.size(last) > 1 && t.stride(last) != 1) return -1;
+  int64_t inner = -1;  // the next leading dim of size > 1 inwards of d; at the end, the innermost one
+  int64_t innermost = -1;
+  for (int64_t d = last - 1; d >= 0; --d) {
+    if (t.size(d) <= 1) continue;
+    if (inner >= 0 && t.stride(d) != t.stride(inner) * t.size(inner)) return -1;
+    if (innermost < 0) innermost = d;
+    inner = d;
   }
-  return true;
+  return innermost < 0 ? t.size(last) : t.stride(innermost);
 }
 
 }  // namespace
@@ -49,12 +56,18 @@ LogProbCall prepare_log_probs(const char* op, const Tensor& logits, const Tensor
              ": labels must be int64 or int32, got ", st::dtype_name(labels.scalar_type()));
   VERL_CHECK(st::same_device(labels, logits), op, ": labels is on ", st::device_of(labels), " but logits is on ",
              st::device_of(logits));
-  c.logits = rows_uniform(logits) ? logits : st::contiguous(logits);
+  int64_t row_stride = uniform_row_stride(logits);
+  c.logits = logits;
+  if (row_stride < 0) {  // rows one stride cannot walk: a contiguous copy
+    c.logits = st::empty(logits, st::sizes_of(logits), logits.scalar_type());
+    st::copy_into(c.logits, logits);
+    row_stride = vocab;
+  }
   c.labels = st::contiguous(labels);
   c.label_bits = labels.scalar_type() == st::kLong ? 64 : 32;
   c.problem.rows = rows;
   c.problem.vocab = vocab;
-  c.problem.row_stride = c.logits.dim() >= 2 ? c.logits.stride(c.logits.dim() - 2) : vocab;
+  c.problem.row_stride = row_stride;
   c.problem.vocab_start = vocab_start;
   return c;
 }
