@@ -115,7 +115,7 @@ def test_size_one_dims_and_extreme_labels(device):
     labels = torch.tensor([-2**63, -2**63 + 2], device=device)
     lp, _, _, ll = _ops.vocab_log_probs_forward(logits, labels, 2**63 - 1)
     assert not ll.any()
-    torch.testing.assert_close(lp, -torch.logsumexp(logits, -1))
+    torch.testing.assert_close(lp, -(torch.logsumexp(logits, -1) - logits.max(-1).values))  # Megatron: counts 0
 
 
 def test_empty_rows():
