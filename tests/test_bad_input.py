@@ -1371,6 +1371,9 @@ RAW_CASES = [
          lambda d: ops.mla_rope_(torch.zeros(3, 2, 8, dtype=torch.int32, device=d),
                                  *(torch.zeros(4, 8, dtype=torch.int32, device=d) for _ in range(2)), _i64([0, 1, 2], d)),
          "float32, float64, float16 or bfloat16"),
+    Case("raw-mla_rope_-x_expanded", "mla_rope_", "x", RT,
+         lambda d: ops.mla_rope_(torch.zeros(1, 2, 8, device=d).expand(3, 2, 8), *_rope_inputs(d)[1:]),
+         "must not overlap itself"),
     Case("raw-mla_rope_-positions_outside_the_table", "mla_rope_", "positions", RT,
          lambda d: ops.mla_rope_(*_rope_inputs(d)[:3], _i64([0, 4, 1], d)), "outside the 4 rows", devices="cpu"),
     # vocab_log_probs_forward / _backward (logits [*, V] floating, labels [*] int64 / int32; the

@@ -125,6 +125,18 @@ def test_in_place_refuses_to_record():
         torch.ops.verl_ops.mla_rope_(x.detach(), cos, sin, torch.zeros(3, dtype=torch.int64))
 
 
+def test_in_place_refuses_an_overlapping_x():
+    """An expanded (or otherwise self-overlapping) x would be written twice: refused, naming x."""
+    cos, sin = tables(rope_freqs(4, 8), 1.0, torch.float32)
+    pos = torch.zeros(5, dtype=torch.int64)
+    for x in (torch.randn(1, 3, 8).expand(5, 3, 8), torch.randn(5, 1, 8).expand(5, 3, 8),
+              torch.randn(64).as_strided((5, 3, 8), (4, 8, 1))):
+        with pytest.raises(RuntimeError, match=r"mla_rope_: x must not overlap itself"):
+            torch.ops.verl_ops.mla_rope_(x, cos, sin, pos)
+    ok = torch.randn(5, 3, 16)[..., 4:12]  # strided, not overlapping
+    torch.ops.verl_ops.mla_rope_(ok, cos, sin, pos)
+
+
 def test_in_place_opcheck():
     x = torch.randn(6, 2, 8, dtype=torch.float64)
     cos, sin = tables(rope_freqs(9, 8), 0.7, torch.float64)

@@ -86,10 +86,14 @@ class _VocabParallel(torch.autograd.Function):
         # Every rank issues the same three collectives, whatever its labels.
         logits_max = local_max.clone()
         dist.all_reduce(logits_max, op=dist.ReduceOp.MAX, group=group)
-        sum_exp = local_sum * torch.exp(local_max - logits_max)
+        # A slice whose row is all -inf (masked ids) has no share of the sum (its own sum is NaN);
+        # elsewhere each slice's sum is rescaled to the global max.
+        sum_exp = torch.where(torch.isneginf(local_max) & ~torch.isneginf(logits_max), torch.zeros_like(local_sum),
+                              local_sum * torch.exp(local_max - logits_max))
         dist.all_reduce(sum_exp, op=dist.ReduceOp.SUM, group=group)
         vocab = logits.shape[-1]
-        inside = (labels >= vocab_start) & (labels < vocab_start + vocab)
+        wide = labels.long()
+        inside = (wide >= vocab_start) & (wide < vocab_start + vocab)
         predicted = torch.where(inside, label_logit - logits_max, torch.zeros_like(label_logit))
         dist.all_reduce(predicted, op=dist.ReduceOp.SUM, group=group)
         ctx.save_for_backward(logits, labels, logits_max, sum_exp)

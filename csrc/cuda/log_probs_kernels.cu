@@ -1,5 +1,6 @@
 // One block per row (rows grid-strided). Forward: the row's max, then the sum of exp(x - max) (the
-// row is read twice; the second read mostly hits L2), each thread's partial results reduced across
+// row is read twice; the second read hits L2 while the resident blocks' rows fit in it, e.g. a
+// 32k-id bf16 slice, and comes from memory again for slices of a few hundred thousand ids), each thread's partial results reduced across
 // the block. Backward: one pass writing (softmax - one-hot) * -g. float32 math throughout, as
 // Megatron's cross entropy converts the logits to float32 first; expf and IEEE division (no fast math).
 #include <cuda_bf16.h>

@@ -1,5 +1,9 @@
 #include "rope_ops.h"
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include "cpu/rope_kernels.h"
 
 namespace verl_ops {
@@ -13,6 +17,22 @@ int dtype_code(const char* kOp, st::ScalarType t) {
   if (t == st::kHalf) return 2;
   if (t == st::kBFloat16) return 3;
   st::fail(kOp, ": x must be float32, float64, float16 or bfloat16, got ", st::dtype_name(t));
+}
+
+// Whether two elements of t share memory (an expanded or overlapping view): the dims of size > 1,
+// ordered by stride, each need a positive stride past the extent of the ones inside it.
+bool overlaps_itself(const Tensor& t) {
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size)
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t extent = 1;  // elements spanned by the dims so far
+  for (const auto& [stride, size] : dims) {
+    if (stride < extent) return true;
+    extent = stride * (size - 1) + extent;
+  }
+  return false;
 }
 
 }  // namespace
@@ -61,6 +81,11 @@ RopeCall prepare_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, con
       VERL_CHECK(pos[r] >= 0 && pos[r] < c.problem.table_rows, kOp, ": positions[", r, "]=", pos[r],
                  " is outside the ", c.problem.table_rows, " rows of cos / sin");
     }
+  }
+  if (in_place) {
+    VERL_CHECK(!overlaps_itself(x), kOp, ": x must not overlap itself (an expanded or overlapping view: its ",
+               "elements are written), got shape ", st::shape_of(x), " with strides [", x.stride(0), ", ",
+               x.stride(1), ", ", x.stride(2), "]");
   }
   if (in_place && c.x.data_ptr() == x.data_ptr()) {
     c.out = x;  // written in place where the kernel can (else into a buffer, copied back)
