@@ -16,6 +16,11 @@
 # /tmp/fa4/PYTHONPATH (and prints it).
 #
 #   bash benchmarks/device/fa4_setup.sh [FOLDER ...]   # default: .fa4_a / .fa4_b here or two levels up
+#
+# Only the folders a call carries reach the machine: the other carried folders the build and the
+# benchmarks need (.whl, .cudnn_fe) are kept in /tmp/fa4_keep by the call that carries them and put
+# back by the next one (run from the repository root). The two calls must come within the
+# machine's warm window (30 s), or /tmp is gone.
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")/../.." && pwd)"
 PARTS=/tmp/fa4_parts
@@ -29,6 +34,11 @@ if [ ${#folders[@]} -eq 0 ]; then
 fi
 for d in "${folders[@]}"; do
   echo "copying $d"; cp -f "$d"/* "$PARTS"/
+done
+mkdir -p /tmp/fa4_keep
+for d in .whl .cudnn_fe; do
+  if [ -d "$PWD/$d" ]; then rm -rf "/tmp/fa4_keep/$d"; cp -r "$PWD/$d" /tmp/fa4_keep/;
+  elif [ -d "/tmp/fa4_keep/$d" ]; then cp -r "/tmp/fa4_keep/$d" "$PWD/"; echo "restored $d"; fi
 done
 ls -la "$PARTS"
 
