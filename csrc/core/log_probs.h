@@ -11,6 +11,7 @@
 // With several slices the caller combines m, s and label_logit across them first (max, rescaled sum).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "thd_layout.h"  // VERL_HD
@@ -27,6 +28,13 @@ struct LogProbProblem {
 // The label's index in the slice, or -1 where it lies outside (no overflow: vocab_start >= 0).
 VERL_HD int64_t slice_index(int64_t label, const LogProbProblem& p) {
   return (label >= p.vocab_start && label - p.vocab_start < p.vocab) ? label - p.vocab_start : -1;
+}
+
+// The row's log-prob from its max m, sum of exponentials s and the label's logit xt (in: the label
+// lies in the slice), in Megatron's order: -(log(s) - (xt - m)).
+VERL_HD float row_log_prob(float m, float s, bool in, float xt) {
+  const float predicted = in ? xt - m : 0.0f;
+  return -(logf(s) - predicted);
 }
 
 }  // namespace core

@@ -22,9 +22,9 @@
 #include <cstdint>
 
 #ifdef __CUDACC__
-#define VERL_HD __host__ __device__
+#define VERL_MERGE_HD __host__ __device__
 #else
-#define VERL_HD
+#define VERL_MERGE_HD
 #endif
 
 namespace verl_ops {
@@ -36,7 +36,7 @@ constexpr int kMergeStatus = 8;
 
 struct MergeIndexLayout {
   int64_t meta_at, merged_at, src_at, size;
-  VERL_HD MergeIndexLayout(int64_t G, int64_t B)
+  VERL_MERGE_HD MergeIndexLayout(int64_t G, int64_t B)
       : meta_at(G + 2),
         merged_at(G + 2 + G * kMergeMeta),
         src_at(G + 2 + G * kMergeMeta + B + 1),
@@ -46,4 +46,4 @@ struct MergeIndexLayout {
 }  // namespace core
 }  // namespace verl_ops
 
-#undef VERL_HD
+#undef VERL_MERGE_HD

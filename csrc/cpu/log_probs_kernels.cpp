@@ -2,27 +2,14 @@
 
 #include <cmath>
 #include <cstring>
+
+#include "bfloat16.h"
 #include <limits>
 
 namespace verl_ops {
 namespace cpu {
 
 namespace {
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, sizeof u);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
 
 template <typename T>
 inline float widen(T v) { return static_cast<float>(v); }
@@ -54,11 +41,10 @@ void forward_rows(const core::LogProbProblem& p, const void* logits_, const void
     const int64_t t = core::slice_index(label_at(labels, bits, r), p);
     const bool in = t >= 0;
     const float xt = in ? widen(x[t]) : 0.0f;
-    const float predicted = in ? xt - m : 0.0f;
     mx[r] = m;
     se[r] = s;
     ll[r] = xt;
-    lp[r] = -(std::log(s) - predicted);
+    lp[r] = core::row_log_prob(m, s, in, xt);
   }
 }
 

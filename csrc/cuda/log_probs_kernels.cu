@@ -121,11 +121,10 @@ __global__ void __launch_bounds__(kBlock)
       const int64_t t = core::slice_index(label_of(labels, r), p);
       const bool in = t >= 0;
       const float xt = in ? widen(x[t]) : 0.0f;
-      const float predicted = in ? xt - m : 0.0f;
       mx[r] = m;
       se[r] = s;
       ll[r] = xt;
-      lp[r] = -(logf(s) - predicted);
+      lp[r] = core::row_log_prob(m, s, in, xt);
     }
   }
 }

@@ -11,13 +11,6 @@ namespace ops {
 
 namespace {
 
-int dtype_code(const char* kOp, st::ScalarType t) {
-  if (t == st::kFloat) return 0;
-  if (t == st::kDouble) return 1;
-  if (t == st::kHalf) return 2;
-  if (t == st::kBFloat16) return 3;
-  st::fail(kOp, ": x must be float32, float64, float16 or bfloat16, got ", st::dtype_name(t));
-}
 
 // Whether two elements of t share memory (an expanded or overlapping view): the dims of size > 1,
 // ordered by stride, each need a positive stride past the extent of the ones inside it.
@@ -45,7 +38,7 @@ RopeCall prepare_rope(const Tensor& x, const Tensor& cos, const Tensor& sin, con
   const int64_t dim = x.size(2);
   VERL_CHECK(dim % 2 == 0 && dim > 0, kOp, ": the rope dim (", x_name, ".size(2)) must be even and > 0, got ", dim);
   RopeCall c;
-  c.dtype = dtype_code(kOp, x.scalar_type());
+  c.dtype = st::float_code(kOp, "x", x.scalar_type());
   for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"cos", &cos}, {"sin", &sin}}) {
     VERL_CHECK(t->dim() == 2 && t->size(1) == dim, kOp, ": ", name, " must be [table_rows, ", dim, "], got ",
                st::shape_of(*t));

@@ -7,13 +7,6 @@ namespace ops {
 
 namespace {
 
-int dtype_code(const char* op, st::ScalarType t) {
-  if (t == st::kFloat) return 0;
-  if (t == st::kDouble) return 1;
-  if (t == st::kHalf) return 2;
-  if (t == st::kBFloat16) return 3;
-  st::fail(op, ": logits must be float32, float64, float16 or bfloat16, got ", st::dtype_name(t));
-}
 
 // The stride between t's rows (all but the last dim, walked in order) where one stride walks them
 // all, else -1. Size-1 dims place nothing: only the other leading dims must nest (each one's stride
@@ -38,7 +31,7 @@ int64_t uniform_row_stride(const Tensor& t) {
 LogProbCall prepare_log_probs(const char* op, const Tensor& logits, const Tensor& labels, int64_t vocab_start) {
   VERL_CHECK(logits.dim() >= 1, op, ": logits must be [*, vocab], got ", st::shape_of(logits));
   LogProbCall c;
-  c.dtype = dtype_code(op, logits.scalar_type());
+  c.dtype = st::float_code(op, "logits", logits.scalar_type());
   const int64_t vocab = logits.size(logits.dim() - 1);
   VERL_CHECK(vocab > 0, op, ": logits' last dim (the vocabulary slice) must be > 0, got ", st::shape_of(logits));
   VERL_CHECK(vocab_start >= 0, op, ": vocab_start must be >= 0, got ", vocab_start);

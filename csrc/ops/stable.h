@@ -135,6 +135,16 @@ inline const char* dtype_name(ScalarType t) {
   }
 }
 
+// The kernels' code of a floating dtype: 0 float32, 1 float64, 2 float16, 3 bfloat16; any other is
+// `op`'s error naming argument `name`.
+inline int float_code(const char* op, const char* name, ScalarType t) {
+  if (t == ScalarType::Float) return 0;
+  if (t == ScalarType::Double) return 1;
+  if (t == ScalarType::Half) return 2;
+  if (t == ScalarType::BFloat16) return 3;
+  fail(op, ": ", name, " must be float32, float64, float16 or bfloat16, got ", dtype_name(t));
+}
+
 inline std::string shape_of(const Tensor& t) {
   std::string s = "[";
   for (int64_t d = 0; d < t.dim(); ++d) s += (d ? ", " : "") + std::to_string(t.size(d));
