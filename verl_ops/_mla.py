@@ -292,16 +292,21 @@ def _host_int(v):
 
 
 def _validate_offsets(op: str, name: str, cu: torch.Tensor, rows: int, max_seqlen: int, max_name: str):
+    """Offsets' values (read on the host): start at 0, non-decreasing, end at ``rows``, no sequence
+    longer than ``max_seqlen``; each error names ``op`` and the argument."""
     c = cu.detach().to("cpu", torch.int64)
     if c.numel() == 0 or int(c[0]) != 0:
         raise ValueError(f"{op}: {name} must start at 0, got {c[:1].tolist()}")
     lengths = c[1:] - c[:-1]
     if bool((lengths < 0).any()):
-        raise ValueError(f"{op}: {name} must be non-decreasing, got {c.tolist()}")
+        i = int(torch.nonzero(lengths < 0)[0])
+        raise ValueError(f"{op}: {name} must be non-decreasing, got {int(c[i])} then {int(c[i + 1])} at index {i}")
     if int(c[-1]) != rows:
         raise ValueError(f"{op}: {name}[-1]={int(c[-1])} must equal the number of rows {rows}")
     if lengths.numel() and int(lengths.max()) > max_seqlen:
-        raise ValueError(f"{op}: a sequence has {int(lengths.max())} tokens, more than {max_name}={max_seqlen}")
+        i = int(torch.argmax(lengths))
+        raise ValueError(f"{op}: a sequence has {int(lengths[i])} tokens, more than {max_name}={max_seqlen} "
+                         f"(sequence {i})")
 
 
 def mla_forward_padded(

@@ -21,6 +21,7 @@ import os
 import torch
 
 from ._library import register_autograd
+from ._mla import _validate_offsets
 from ._validate import INT32_MAX, check_plain, is_meta
 
 _ops = torch.ops.verl_ops
@@ -45,21 +46,6 @@ def _is_int(v) -> bool:
 
 def _lse_dtype(q):
     return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
-def _check_offsets_values(op, name, cu, rows, max_seqlen, max_name):
-    c = cu.to(torch.int64)
-    if c.numel() == 0 or int(c[0]) != 0:
-        raise ValueError(f"{op}: {name} must start at 0, got {c[:1].tolist()}")
-    lengths = c[1:] - c[:-1]
-    if bool((lengths < 0).any()):
-        i = int(torch.nonzero(lengths < 0)[0])
-        raise ValueError(f"{op}: {name} must be non-decreasing, got {int(c[i])} then {int(c[i + 1])} at index {i}")
-    if int(c[-1]) != rows:
-        raise ValueError(f"{op}: {name}[-1]={int(c[-1])} must equal the number of rows {rows}")
-    if lengths.numel() and int(lengths.max()) > max_seqlen:
-        i = int(torch.argmax(lengths))
-        raise ValueError(f"{op}: sequence {i} has {int(lengths[i])} tokens, more than {max_name}={max_seqlen}")
 
 
 _PART_NAMES = ("q", "q_pe", "k", "k_pe", "v")
@@ -114,8 +100,8 @@ def check_parts(op, q, q_pe, k, k_pe, v, cu_q, cu_kv, max_q, max_kv, scale, *, h
                                   and math.isfinite(scale)):
         raise ValueError(f"{op}: softmax_scale must be a finite float or None, got {scale!r}")
     if host_values and not is_meta(cu_q) and cu_q.device.type == "cpu" and _is_int(max_q) and _is_int(max_kv):
-        _check_offsets_values(op, "cu_seqlens_q", cu_q, tq, max_q, "max_seqlen_q")
-        _check_offsets_values(op, "cu_seqlens_kv", cu_kv, tk, max_kv, "max_seqlen_kv")
+        _validate_offsets(op, "cu_seqlens_q", cu_q, tq, max_q, "max_seqlen_q")
+        _validate_offsets(op, "cu_seqlens_kv", cu_kv, tk, max_kv, "max_seqlen_kv")
 
 
 def check_backward_extras(op, grad_out, out, lse, q):
