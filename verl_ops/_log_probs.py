@@ -12,6 +12,7 @@ logits (no copy) and two floats per row.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from ._library import register_autograd
 from ._validate import check_plain
@@ -60,12 +61,16 @@ def _setup_context(ctx, inputs, output):
     ctx.vocab_start = vocab_start
 
 
-def _backward(ctx, grad_lp, _g_max, _g_sum, _g_label):
+def _grad_logits(ctx, grad_lp):
+    """The logits' gradient from the saved logits, labels and the whole vocabulary's statistics."""
     logits, labels, logits_max, sum_exp = ctx.saved_tensors
+    return _ops.vocab_log_probs_backward(grad_lp.float(), logits, labels, logits_max, sum_exp, ctx.vocab_start)
+
+
+def _backward(ctx, grad_lp, _g_max, _g_sum, _g_label):
     if grad_lp is None:
         return None, None, None
-    grad = _ops.vocab_log_probs_backward(grad_lp.float(), logits, labels, logits_max, sum_exp, ctx.vocab_start)
-    return grad, None, None
+    return _grad_logits(ctx, grad_lp), None, None
 
 
 # The forward op's own autograd treats its logits as the whole vocabulary (one slice); several
@@ -79,8 +84,6 @@ class _VocabParallel(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, labels, vocab_start, group):
-        import torch.distributed as dist
-
         with torch._C._AutoDispatchBelowAutograd():
             _lp, local_max, local_sum, label_logit = _ops.vocab_log_probs_forward(logits, labels, vocab_start)
         # Every rank issues the same three collectives, whatever its labels.
@@ -102,10 +105,8 @@ class _VocabParallel(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_lp):
-        logits, labels, logits_max, sum_exp = ctx.saved_tensors
         with torch._C._AutoDispatchBelowAutograd():
-            grad = _ops.vocab_log_probs_backward(grad_lp.float().contiguous(), logits, labels, logits_max, sum_exp,
-                                                 ctx.vocab_start)
+            grad = _grad_logits(ctx, grad_lp.contiguous())
         return grad, None, None, None
 
 
@@ -139,17 +140,9 @@ def vocab_parallel_log_probs(logits: torch.Tensor, labels: torch.Tensor, *, grou
                          f"{tuple(logits.shape[:-1])}, got {labels.dtype} {tuple(labels.shape)}")
     if labels.device != logits.device:
         raise ValueError(f"{OP}: labels is on {labels.device} but logits is on {logits.device}")
-    world = 1
-    if group is not None:
-        import torch.distributed as dist
-
-        world = dist.get_world_size(group)
+    world = 1 if group is None else dist.get_world_size(group)
     if vocab_start is None:
-        vocab_start = 0
-        if world > 1:
-            import torch.distributed as dist
-
-            vocab_start = dist.get_rank(group) * logits.shape[-1]
+        vocab_start = dist.get_rank(group) * logits.shape[-1] if world > 1 else 0
     if not isinstance(vocab_start, int) or isinstance(vocab_start, bool) or vocab_start < 0:
         raise ValueError(f"{OP}: vocab_start must be an int >= 0, got {vocab_start!r}")
     if world == 1:

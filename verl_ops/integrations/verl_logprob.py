@@ -40,10 +40,5 @@ def vocab_parallel_log_probs_from_logits(logits, labels):
     """verl's ``vocab_parallel_log_probs_from_logits``: ``log softmax(logits)[labels]`` per token, the
     vocabulary split across Megatron's tensor-parallel ranks (``logits [..., vocab / tp]``,
     ``labels [...]``). Returns float32 ``[...]``."""
-    group = _tp_group()
-    if group is None:
-        return vocab_parallel_log_probs(logits, labels)
-    from megatron.core import parallel_state as ps
-
-    start = ps.get_tensor_model_parallel_rank() * logits.shape[-1]
-    return vocab_parallel_log_probs(logits, labels, group=group, vocab_start=start)
+    # Megatron's split: this rank's slice starts at rank * V (vocab_parallel_log_probs' default).
+    return vocab_parallel_log_probs(logits, labels, group=_tp_group())
