@@ -162,6 +162,70 @@ def megatron_as_shipped():
             setattr(mod, name, value)
 
 
+# TransformerEngine's attention backends, as megatron-core's ``attention_backend`` selects them
+# (``LanguageModule._set_attention_backend``: process-wide environment variables).
+_TE_BACKEND_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+_TE_BACKENDS = {"flash": ("1", "0", "0"), "fused": ("0", "1", "0")}
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # noqa: BLE001  (ImportError, or a missing / mismatched extension)
+        return False
+    return True
+
+
+def te_flash_attention_installed() -> dict:
+    """Which FlashAttention versions TransformerEngine found at import: {"2": bool, "3": bool,
+    "4": bool}."""
+    from transformer_engine.pytorch.attention.dot_product_attention.utils import FlashAttentionUtils as fa
+
+    return {"2": bool(fa.is_installed), "3": bool(fa.v3_is_installed), "4": bool(getattr(fa, "v4_is_installed", False))}
+
+
+@contextlib.contextmanager
+def te_attention(backend: str):
+    """Inside: TransformerEngine's ``DotProductAttention`` runs ``backend`` (``"flash"``: FlashAttention,
+    whichever version TE finds; ``"fused"``: cuDNN), set the way megatron-core's
+    ``attention_backend: flash / fused`` sets it (NVTE_FLASH_ATTN / NVTE_FUSED_ATTN /
+    NVTE_UNFUSED_ATTN), with TE's cached backend selection dropped on entry and on exit. Models are
+    built outside (with ``attention_backend`` auto, which leaves the variables at 1); a forward and
+    its backward run inside.
+
+    Yields a dict that holds, on exit, what TE selected for its last attention call:
+    ``{"flash": backend name or None, "fused": backend name or None, "unfused": bool}``."""
+    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+
+    if backend not in _TE_BACKENDS:
+        raise ValueError(f"te_attention: backend must be one of {sorted(_TE_BACKENDS)}, got {backend!r}")
+
+    def reset():
+        dpa._attention_backends["attention_params"] = None
+        dpa._attention_backends["backend_selection_requires_update"] = True
+        cache = getattr(dpa, "_thd_policy_backend_cache", None)
+        if cache is not None:
+            cache.clear()
+
+    saved = {k: os.environ.get(k) for k in _TE_BACKEND_ENV}
+    os.environ.update(zip(_TE_BACKEND_ENV, _TE_BACKENDS[backend]))
+    reset()
+    seen = {}
+    try:
+        yield seen
+    finally:
+        chosen = dpa._attention_backends
+        seen["flash"] = str(chosen["flash_attention_backend"]) if chosen["use_flash_attention"] else None
+        seen["fused"] = str(chosen["fused_attention_backend"]) if chosen["use_fused_attention"] else None
+        seen["unfused"] = bool(chosen["use_unfused_attention"])
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        reset()
+
+
 def init_distributed(cp_size: int = 1, device="cpu") -> None:
     """megatron-core's model-parallel state with ``context_parallel_size=cp_size`` (TP = PP = EP = 1).
 
@@ -407,44 +471,52 @@ _OPTIONAL_CONFIG = {"moe_router_fusion", "moe_permute_fusion", "persist_layer_no
                     "masked_softmax_fusion", "apply_rope_fusion", "gradient_accumulation_fusion"}
 
 
-def build_specs(config, core_attention: str):
-    """(decoder block spec, MTP block spec) from megatron-core's local specs with the chosen MLA
+def build_specs(config, core_attention: str, *, te: bool = False):
+    """(decoder block spec, MTP block spec) from megatron-core's layer specs with the chosen MLA
     core attention: ``"verl_ops"`` (``MLACoreAttention`` via ``megatron_mla.install``),
     ``"verl_ops_padded"`` (the same module on ``mla_forward_padded``'s padded backend: torch's
     FlashAttention kernels on V zero-padded to the query head dim, the kernels verl's own path runs:
-    the accepted bf16 numerics the GPU tests measure against) or ``"reference"``
-    (:class:`ReferenceMLACoreAttention`)."""
+    the accepted bf16 numerics the GPU tests measure against), ``"reference"``
+    (:class:`ReferenceMLACoreAttention`) or, with ``te``, ``"te"`` (the spec's own
+    ``TEDotProductAttention``).
+
+    ``te``: TransformerEngine's specs (``use_transformer_engine=True``, what verl builds) instead of
+    the local ones."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_mtp_block_spec
 
     from verl_ops.integrations import megatron_mla
 
     backends = {"verl_ops": "auto", "verl_ops_padded": "padded"}
-    if core_attention not in backends and core_attention != "reference":
-        raise ValueError(f"core_attention must be 'verl_ops', 'verl_ops_padded' or 'reference', got {core_attention!r}")
+    if core_attention not in backends and core_attention != "reference" and not (te and core_attention == "te"):
+        allowed = "'verl_ops', 'verl_ops_padded', 'reference'" + (" or 'te'" if te else "")
+        raise ValueError(f"core_attention must be {allowed}, got {core_attention!r}")
 
     def put(spec):
+        if core_attention == "te":
+            return spec
         if core_attention == "reference":
             set_core_attention(spec, ReferenceMLACoreAttention)
             return spec
         return megatron_mla.install(spec, backend=backends[core_attention])
 
-    block = put(get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm"))
+    block = put(get_gpt_decoder_block_spec(config, use_transformer_engine=te, normalization="RMSNorm"))
     mtp = None
     if config.mtp_num_layers:
-        mtp = put(get_gpt_mtp_block_spec(config, block, use_transformer_engine=False))
+        mtp = put(get_gpt_mtp_block_spec(config, block, use_transformer_engine=te))
     return block, mtp
 
 
-def build_model(config, core_attention: str, *, size: ModelSize | str = "tiny", device="cpu", seed=0):
-    """``GPTModel`` on ``device`` with the chosen core attention (see :func:`build_specs`);
-    megatron-core is patched for running without TransformerEngine first."""
+def build_model(config, core_attention: str, *, size: ModelSize | str = "tiny", device="cpu", seed=0, te=False):
+    """``GPTModel`` on ``device`` with the chosen core attention and specs (see :func:`build_specs`);
+    megatron-core is patched for running without TransformerEngine first (a no-op where it is
+    there)."""
     from megatron.core.models.gpt import GPTModel
 
     from verl_ops.integrations.megatron_compat import patch_megatron_core
 
     patch_megatron_core()
     size = SIZES[size] if isinstance(size, str) else size
-    block, mtp = build_specs(config, core_attention)
+    block, mtp = build_specs(config, core_attention, te=te)
     torch.manual_seed(seed)
     if torch.device(device).type == "cuda":
         from megatron.core import tensor_parallel

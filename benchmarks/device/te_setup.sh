@@ -10,7 +10,10 @@
 # part's time is printed, so that a session can plan its device time. /tmp survives only while the
 # machine stays up (30 s after a call): run the steps that use TE in the same call, or right after.
 #
-#   OUT=/some/dir bash benchmarks/device/te_setup.sh [FOLDER]   # default: .te here
+# With TE_SO_OUT=DIR, the built extension is also written there xz-compressed; copied into the .te
+# folder here, later calls unpack it instead of building (the same torch build only).
+#
+#   OUT=/some/dir [TE_SO_OUT=$OUT] bash benchmarks/device/te_setup.sh [FOLDER]   # default: .te here
 set -uo pipefail
 HERE="$(cd "$(dirname "$0")/../.." && pwd)"
 SRC="$(cd "${1:-$HERE/.te}" && pwd)"
@@ -23,15 +26,28 @@ echo "core: $(( $(date +%s) - t0 )) s"
 python3 -m pip install -q --no-index --no-deps --no-compile --target "$DEST" "$SRC"/*.whl > "$OUT/te_deps.log" 2>&1 \
   || { tail -5 "$OUT/te_deps.log"; exit 1; }
 echo "deps: $(( $(date +%s) - t0 )) s"
-tar -xzf "$SRC"/transformer_engine_torch-*.tar.gz -C /tmp/te_build
-cd /tmp/te_build/transformer_engine_torch-*/ || exit 1
-# cuDNN's headers (cudnn.h) where torch's nvidia-cudnn package has them.
-CUDNN_INC=$(python3 -c "import os, nvidia.cudnn as m; p = os.path.join(list(m.__path__)[0], 'include'); print(p if os.path.isfile(os.path.join(p, 'cudnn.h')) else '')" 2>/dev/null)
-export CPLUS_INCLUDE_PATH="${CUDNN_INC}${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
-PYTHONPATH="$DEST${PYTHONPATH:+:$PYTHONPATH}" NVTE_FRAMEWORK=pytorch MAX_JOBS="${MAX_JOBS:-16}" \
-  python3 setup.py build_ext --inplace > "$OUT/te_build.log" 2>&1 || { tail -40 "$OUT/te_build.log"; exit 1; }
-cp -f transformer_engine_torch*.so "$DEST"/ || { echo "te_setup: no extension built"; tail -20 "$OUT/te_build.log"; exit 1; }
-echo "torch extension: $(( $(date +%s) - t0 )) s"
+PREBUILT=$(ls "$SRC"/transformer_engine_torch*.so.xz 2>/dev/null | head -1)
+if [ -n "$PREBUILT" ]; then
+  # the extension an earlier call built (TE_SO_OUT below), for the same torch
+  xz -dc "$PREBUILT" > "$DEST/$(basename "${PREBUILT%.xz}")" || { echo "te_setup: cannot unpack $PREBUILT"; exit 1; }
+  echo "torch extension (prebuilt $(basename "$PREBUILT")): $(( $(date +%s) - t0 )) s"
+else
+  tar -xzf "$SRC"/transformer_engine_torch-*.tar.gz -C /tmp/te_build
+  cd /tmp/te_build/transformer_engine_torch-*/ || exit 1
+  # cuDNN's headers (cudnn.h) where torch's nvidia-cudnn package has them.
+  CUDNN_INC=$(python3 -c "import os, nvidia.cudnn as m; p = os.path.join(list(m.__path__)[0], 'include'); print(p if os.path.isfile(os.path.join(p, 'cudnn.h')) else '')" 2>/dev/null)
+  export CPLUS_INCLUDE_PATH="${CUDNN_INC}${CPLUS_INCLUDE_PATH:+:$CPLUS_INCLUDE_PATH}"
+  PYTHONPATH="$DEST${PYTHONPATH:+:$PYTHONPATH}" NVTE_FRAMEWORK=pytorch MAX_JOBS="${MAX_JOBS:-16}" \
+    python3 setup.py build_ext --inplace > "$OUT/te_build.log" 2>&1 || { tail -40 "$OUT/te_build.log"; exit 1; }
+  cp -f transformer_engine_torch*.so "$DEST"/ || { echo "te_setup: no extension built"; tail -20 "$OUT/te_build.log"; exit 1; }
+  echo "torch extension: $(( $(date +%s) - t0 )) s"
+  if [ -n "${TE_SO_OUT:-}" ]; then
+    # Kept for later calls: put the file into the .te folder here (it is then unpacked, not built).
+    mkdir -p "$TE_SO_OUT"
+    for f in transformer_engine_torch*.so; do xz -T0 -6 -c "$f" > "$TE_SO_OUT/$f.xz"; done
+    ls -la "$TE_SO_OUT"/transformer_engine_torch*.so.xz
+  fi
+fi
 cd "$HERE"
 echo "$DEST" > "$DEST/PYTHONPATH"
 PYTHONPATH="$DEST${PYTHONPATH:+:$PYTHONPATH}" python3 -c "
