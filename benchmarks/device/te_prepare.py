@@ -44,8 +44,9 @@ PY = "3.12"
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
 # With their dependencies, resolved for CPython 3.12 (pydantic pins its pydantic-core) ...
 DEPS = ["pydantic", "einops", "wheel"]
-# ... and without (only the frontend's headers and metadata are used; its dependencies are large).
-DEPS_NO_DEPS = ["nvidia-cudnn-frontend"]
+# ... and without (only the frontend's headers and metadata are used; its dependencies are large; of the
+# transformer-engine metapackage only its metadata, which TE's import checks for).
+DEPS_NO_DEPS = ["nvidia-cudnn-frontend", f"transformer-engine=={TE_VERSION}"]
 FATBIN_MAGIC = 0xBA55ED50
 
 

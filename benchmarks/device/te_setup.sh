@@ -3,7 +3,8 @@
 # benchmarks/device/te_prepare.py wrote on a machine with network (.te, carried:
 # `carry: [".te"]`, about 40 MB), into /tmp/te_site:
 #   core        the core wheel's files (its library keeping only the sm_90 cubins), unpacked
-#   deps        pydantic and its parts, einops, wheel, nvidia-cudnn-frontend (pip --target)
+#   deps        pydantic and its parts, einops, wheel, nvidia-cudnn-frontend (pip --target), and the
+#               transformer-engine metapackage's metadata (TE's import checks that it is installed)
 #   torch ext   transformer_engine_torch built from its source package against the installed torch
 #               (a C++ extension: MAX_JOBS compile jobs, default 16), copied into /tmp/te_site
 # then `import transformer_engine.pytorch` is checked and /tmp/te_site/PYTHONPATH written. Each
@@ -23,8 +24,19 @@ t0=$(date +%s)
 rm -rf "$DEST" /tmp/te_build && mkdir -p "$DEST" /tmp/te_build
 tar -xJf "$SRC/te_core.tar.xz" -C "$DEST" || { echo "te_setup: cannot unpack $SRC/te_core.tar.xz"; exit 1; }
 echo "core: $(( $(date +%s) - t0 )) s"
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$DEST" "$SRC"/*.whl > "$OUT/te_deps.log" 2>&1 \
+deps=(); for w in "$SRC"/*.whl; do case "$(basename "$w")" in transformer_engine-*) ;; *) deps+=("$w");; esac; done
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$DEST" "${deps[@]}" > "$OUT/te_deps.log" 2>&1 \
   || { tail -5 "$OUT/te_deps.log"; exit 1; }
+# TE's import asserts that its metapackage (transformer-engine, installed from a wheel) is there: its
+# metadata only, from the metapackage's wheel (its Python files are the core wheel's, unpacked above).
+python3 - "$DEST" "$SRC"/transformer_engine-*.whl <<'PY' || { echo "te_setup: no transformer_engine metapackage wheel in $SRC"; exit 1; }
+import sys, zipfile
+dest, wheel = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(wheel) as z:
+    for name in z.namelist():
+        if ".dist-info/" in name.split("/", 1)[0] + "/":
+            z.extract(name, dest)
+PY
 echo "deps: $(( $(date +%s) - t0 )) s"
 PREBUILT=$(ls "$SRC"/transformer_engine_torch*.so.xz 2>/dev/null | head -1)
 if [ -n "$PREBUILT" ]; then
