@@ -47,11 +47,16 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 
 
+MEGATRON_IMPORT_ERROR = None  # why megatron_available() said False (the exception), or None
+
+
 def megatron_available() -> bool:
+    global MEGATRON_IMPORT_ERROR
     try:
         import megatron.core  # noqa: F401
         from megatron.core.models.gpt import GPTModel  # noqa: F401
-    except Exception:  # noqa: BLE001  (ImportError, or an error raised while megatron-core imports)
+    except Exception as e:  # noqa: BLE001  (ImportError, or an error raised while megatron-core imports)
+        MEGATRON_IMPORT_ERROR = f"{type(e).__name__}: {e}"
         return False
     return True
 

@@ -40,7 +40,7 @@ from _dist import shared_pool  # noqa: E402
 
 def _requirements_missing():
     if not lib.megatron_available():
-        return "needs megatron-core"
+        return f"needs megatron-core ({lib.MEGATRON_IMPORT_ERROR})"
     if importlib.util.find_spec("verl") is None:
         return "needs verl for its THD functions"
     if importlib.util.find_spec("transformer_engine") is None:

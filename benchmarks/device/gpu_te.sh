@@ -28,6 +28,10 @@ grep -vE "^\s*$" "$OUT/te_setup.log" | tail -8
 grep -q "te_setup rc=0" "$OUT/te_setup.log" || exit 1
 echo "setup: $(( $(date +%s) - t0 )) s"
 export PYTHONPATH="$PWD:$(cat /tmp/te_site/PYTHONPATH)"
+# TE loads cuDNN from the system before Python packages: where the machine's own cuDNN differs from
+# torch's (nvidia-cudnn-cu13) and torch has loaded its own first, TE's library fails to load
+# (undefined cudnn symbols). CUDNN_HOME points TE at torch's.
+CUDNN_HOME=$(python3 -c "import nvidia.cudnn as m; print(list(m.__path__)[0])" 2>/dev/null) && export CUDNN_HOME
 [ -f /tmp/fa4/PYTHONPATH ] && export PYTHONPATH="$PYTHONPATH:$(cat /tmp/fa4/PYTHONPATH)"
 status=0
 for v in $MCORE; do
