@@ -36,21 +36,40 @@ _AUTO_NATIVE = ((192, 128, 1024, 16 * 1024 * 16),)
 # Mirrors kAutoVarlen in csrc/mla/mla_ops.cpp: the head dims where backend=auto sends batches that
 # are not uniform to the varlen backend (Dqk, Dv, min query rows x heads), where _varlen_auto holds.
 _AUTO_VARLEN = ((192, 128, 0), (64, 64, 0), (128, 128, 0), (192, 192, 0), (256, 256, 0))
-# Whether this build has the varlen backend, read once at import (_C is loaded by then): the fake
-# kernels run under fake / functional modes, where calling an op would not return real values.
-# With it, the loaded cuDNN's version: auto uses varlen from kVarlenAutoMinCudnn (9.7.0) on.
+# Whether this build has the varlen backend, with the loaded cuDNN's version (auto uses varlen from
+# kVarlenAutoMinCudnn, 9.7.0, on) and whether varlen runs the own SM90 forward and backward
+# (mla_cache_info's hopper_forward and hopper_backward, where auto also sends uniform 192 / 128
+# batches to it): read once, on the first question about a CUDA device, not at import. Reading
+# the version loads part of cuDNN (cudnnGetVersion loads libcudnn_graph); a library that did that
+# at import would change which cuDNN a later import picks: TransformerEngine's library names every
+# cuDNN library as a dependency and, where the machine has its own cuDNN beside torch's, gets a
+# mix of the two and fails to load. torch itself loads those libraries on first use only.
+_VARLEN_STATE = None  # (built, cudnn version, own kernels)
+
+
 def _probe_varlen() -> tuple:
+    # (outside any fake / functional mode: the fake kernels ask too, and there calling an op would
+    # not return real values)
+    from torch.utils._python_dispatch import _disable_current_modes
+
     try:
-        info = torch.ops.verl_ops.mla_cache_info(torch.empty(0, device="cpu")).tolist()
+        with _disable_current_modes():
+            info = torch.ops.verl_ops.mla_cache_info(torch.empty(0, device="cpu")).tolist()
     except (AttributeError, RuntimeError):  # a module built before the op existed
         return False, 0, False
     own = len(info) > 11 and bool(info[10]) and bool(info[11])
     return bool(info[0]), (info[9] if len(info) > 9 else 0), own
 
 
-# _VARLEN_OWN: varlen runs the own SM90 forward and backward (mla_cache_info's hopper_forward and
-# hopper_backward), where auto also sends uniform 192 / 128 batches to it.
-_VARLEN_BUILT, _VARLEN_CUDNN, _VARLEN_OWN = _probe_varlen()
+def _varlen_state() -> tuple:
+    """(built, cudnn version, own kernels); probed on the first call (see _VARLEN_STATE). Asked by
+    the fake kernels and by eager code only (``_auto_takes_fa4`` returns before it while tracing)."""
+    global _VARLEN_STATE
+    if _VARLEN_STATE is None:
+        _VARLEN_STATE = _probe_varlen()
+    return _VARLEN_STATE
+
+
 _VARLEN_AUTO_MIN_CUDNN = 90700
 _VARLEN_DEVICES = {}
 
@@ -58,7 +77,10 @@ _VARLEN_DEVICES = {}
 def _varlen_auto(device: torch.device) -> bool:
     """Mirrors prepare_mla's varlen_auto: the build has the varlen backend, the loaded cuDNN is
     9.7.0 or newer, and `device` is a CUDA device of compute capability 9.x."""
-    if device.type != "cuda" or not _VARLEN_BUILT or _VARLEN_CUDNN < _VARLEN_AUTO_MIN_CUDNN:
+    if device.type != "cuda":
+        return False
+    built, cudnn, _ = _varlen_state()
+    if not built or cudnn < _VARLEN_AUTO_MIN_CUDNN:
         return False
     index = device.index if device.index is not None else torch.cuda.current_device()
     if index not in _VARLEN_DEVICES:
@@ -69,7 +91,7 @@ def _varlen_auto(device: torch.device) -> bool:
 def _auto_flags(device: torch.device) -> tuple:
     """(varlen_auto, varlen_uniform) for resolve_mla_backend, as prepare_mla computes them."""
     varlen_auto = _varlen_auto(device)
-    return varlen_auto, varlen_auto and _VARLEN_OWN
+    return varlen_auto, varlen_auto and _varlen_state()[2]
 
 
 def _shares_offsets(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -35,18 +35,19 @@ if ls .whl/megatron_core-0.16.1-*.whl > /dev/null 2>&1; then
 fi
 python3 -c "import verl_ops; assert verl_ops.cuda_available(); print('verl_ops', verl_ops.mla_cache_info()['hopper_forward'])" || exit 1
 
-# The shards: one file of test ids each (the suites collected in parallel).
-rm -rf /tmp/memcheck_shards && mkdir -p /tmp/memcheck_shards
+# The shards: one file of test ids each (the suites collected in parallel), in a folder of this run's
+# own (two runs side by side must not share one).
+SHARDS=$(mktemp -d /tmp/memcheck_shards.XXXXXX); export SHARDS
 collect() {
   local entry="$1" suite n total i
   suite="${entry%%:*}"; n=1; [ "$entry" != "$suite" ] && n="${entry##*:}"
   python3 -m pytest "tests/test_${suite}.py" -q --collect-only -k "$K" -p no:cacheprovider 2>/dev/null \
-    | grep "::" > "/tmp/memcheck_shards/${suite}.ids"
-  total=$(wc -l < "/tmp/memcheck_shards/${suite}.ids")
+    | grep "::" > "$SHARDS/${suite}.ids"
+  total=$(wc -l < "$SHARDS/${suite}.ids")
   for ((i = 0; i < n; i++)); do
-    awk -v n="$n" -v i="$i" 'NR % n == i' "/tmp/memcheck_shards/${suite}.ids" > "/tmp/memcheck_shards/${suite}.${i}"
+    awk -v n="$n" -v i="$i" 'NR % n == i' "$SHARDS/${suite}.ids" > "$SHARDS/${suite}.${i}"
   done
-  rm "/tmp/memcheck_shards/${suite}.ids"
+  rm "$SHARDS/${suite}.ids"
   echo "${suite}: ${total} CUDA tests in ${n} shard(s)"
 }
 export -f collect; export K
@@ -66,7 +67,7 @@ one() {
   echo "${name}: rc=${rc} $(grep -E 'ERROR SUMMARY' "$OUT/memcheck_${name}.log" | tail -1) $(tail -1 "$OUT/memcheck_${name}.log" | grep -E 'passed|failed|error') [$(( $(date +%s) - t0 )) s]"
 }
 export -f one; export OUT SHARD_TIMEOUT
-ls /tmp/memcheck_shards/* | xargs -P "${PARALLEL:-8}" -I{} bash -c 'one "$1"' _ {} | sort | tee "$OUT/memcheck.txt"
+ls $SHARDS/* | xargs -P "${PARALLEL:-8}" -I{} bash -c 'one "$1"' _ {} | sort | tee "$OUT/memcheck.txt"
 # Logs of the shards come back in one file (the tool returns at most 8 files).
 for f in "$OUT"/memcheck_*.log; do
   echo "==== $f"

@@ -28,10 +28,14 @@ grep -vE "^\s*$" "$OUT/te_setup.log" | tail -8
 grep -q "te_setup rc=0" "$OUT/te_setup.log" || exit 1
 echo "setup: $(( $(date +%s) - t0 )) s"
 export PYTHONPATH="$PWD:$(cat /tmp/te_site/PYTHONPATH)"
-# TE loads cuDNN from the system before Python packages: where the machine's own cuDNN differs from
-# torch's (nvidia-cudnn-cu13) and torch has loaded its own first, TE's library fails to load
-# (undefined cudnn symbols). CUDNN_HOME points TE at torch's.
-CUDNN_HOME=$(python3 -c "import nvidia.cudnn as m; print(list(m.__path__)[0])" 2>/dev/null) && export CUDNN_HOME
+# TE's core library names every cuDNN library (libcudnn_graph, _heuristic, ...) as a dependency, without
+# a search path: each one not yet loaded is looked up by name, and on this machine that finds the
+# system's cuDNN in /lib/x86_64-linux-gnu, which differs from torch's (nvidia-cudnn-cu13). Once a
+# process has loaded part of torch's cuDNN, TE's import then fails ("libcudnn_heuristic.so.9:
+# undefined symbol ..., version libcudnn_graph.so.9"). torch's cuDNN folder first on the library
+# path makes every lookup find torch's.
+CUDNN_LIB=$(python3 -c "import os, nvidia.cudnn as m; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null) \
+  && export LD_LIBRARY_PATH="$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 [ -f /tmp/fa4/PYTHONPATH ] && export PYTHONPATH="$PYTHONPATH:$(cat /tmp/fa4/PYTHONPATH)"
 status=0
 for v in $MCORE; do
