@@ -192,15 +192,32 @@ def test_cache_capacity_set_and_restored():
 
 def test_auto_cudnn_floor_mirror(monkeypatch):
     """The fake kernels' auto rule takes varlen only with cuDNN >= 9.7.0, as prepare_mla does."""
-    monkeypatch.setattr(_mla, "_VARLEN_BUILT", True)
     monkeypatch.setattr(_mla, "_VARLEN_DEVICES", {0: True})
     dev = torch.device("cuda", 0)
-    monkeypatch.setattr(_mla, "_VARLEN_CUDNN", 90700)
+    # (built, cuDNN version, own kernels), as the probe reads it on the first CUDA question
+    monkeypatch.setattr(_mla, "_VARLEN_STATE", (True, 90700, False))
     assert _mla._varlen_auto(dev)
-    monkeypatch.setattr(_mla, "_VARLEN_CUDNN", 90699)
+    monkeypatch.setattr(_mla, "_VARLEN_STATE", (True, 90699, False))
     assert not _mla._varlen_auto(dev)
-    monkeypatch.setattr(_mla, "_VARLEN_CUDNN", 0)
+    monkeypatch.setattr(_mla, "_VARLEN_STATE", (True, 0, False))
     assert not _mla._varlen_auto(dev)
+    monkeypatch.setattr(_mla, "_VARLEN_STATE", (False, 90700, True))  # a build without the backend
+    assert not _mla._varlen_auto(dev)
+
+
+def test_varlen_state_probed_once_outside_fake_mode(monkeypatch):
+    """The varlen backend's state is read on the first question about a CUDA device (not at
+    import), through the real op even when the first question comes from a fake kernel under
+    FakeTensorMode, and then kept."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    monkeypatch.setattr(_mla, "_VARLEN_STATE", None)
+    with FakeTensorMode():
+        state = _mla._varlen_state()
+    want = OPS.mla_cache_info(torch.empty(0)).tolist()
+    assert state == (bool(want[0]), want[9], bool(want[10]) and bool(want[11]))
+    assert _mla._VARLEN_STATE == state
+    assert not _mla._varlen_auto(torch.device("cpu"))
 
 
 @pytest.mark.parametrize(

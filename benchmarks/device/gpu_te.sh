@@ -8,6 +8,7 @@
 #   tests       per megatron-core version: tests/test_megatron_te.py (CP = 1 on one GPU; CP = 2 over
 #               NCCL where 2 GPUs are there), FlashAttention-4 on the path where /tmp/fa4/PYTHONPATH
 #               exists (benchmarks/device/fa4_setup.sh); a JSON summary per test in $OUT
+#   bench       with BENCH_MCORE="0.16.1 ...": bench_megatron_step.py --te at hidden 4096 per version
 # Carry: [".te", ".whl", ".cudnn_fe"].
 #
 #   OUT=/some/dir bash benchmarks/device/gpu_te.sh
@@ -45,6 +46,14 @@ for v in $MCORE; do
     > "$OUT/te_tests_$v.log" 2>&1; rc=$?
   echo "megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/te_tests_$v.log" | cut -c1-1500 | tail -8
+done
+for v in ${BENCH_MCORE:-}; do
+  # the step on TE's specs: verl's path with TE flash / fused attention against verl_ops
+  t1=$(date +%s)
+  PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/megatron/bench_megatron_step.py \
+    --te --sizes 4096 --out "$OUT/step_te_$v.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/step_te_$v.log" 2>&1
+  echo "step on TE specs, megatron-core $v: rc=$? [$(( $(date +%s) - t1 )) s]"
+  grep -vE "^\s*$" "$OUT/step_te_$v.log" | grep -v Warning | tail -30
 done
 echo "total: $(( $(date +%s) - t0 )) s"
 exit $status

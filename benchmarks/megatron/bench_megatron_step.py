@@ -48,6 +48,12 @@ after the model is built, and printed):
   verl_ops  ``verl_ops.integrations.verl.preprocess_thd_engine`` / ``postprocess_thd_engine`` and
             ``MLACoreAttention`` in every MLA slot (``megatron_mla.install(spec)``): V kept at 128,
             with whatever else ``install`` puts into megatron-core
+  --te      the model from TransformerEngine's layer specs (``use_transformer_engine=True``, what
+            verl builds) and, instead of verl_fa4, verl's path on TE's own ``TEDotProductAttention``
+            as verl configures it: ``verl_te_flash`` (``attention_backend: flash``: whichever
+            FlashAttention TE finds, FlashAttention-4 where flash-attn-4 is installed) and
+            ``verl_te_fused`` (``fused``: cuDNN), V as megatron-core hands it (padded to 192 by
+            MultiLatentAttention itself on >= 0.18, native 128 before)
 Every path runs with ``verl_ops.integrations.megatron_compat.patch_megatron_core()`` applied: without
 it megatron-core's MLA and MoE layers do not run without TransformerEngine.
 
@@ -126,6 +132,11 @@ FA4_PATH = "verl_fa4"
 # (the attention reading q, kv and k_pe in place, RoPE on the way) saves.
 CAT_PATH = "verl_ops_cat"
 ALL_PATHS = ("verl", FA4_PATH, CAT_PATH, "verl_ops")
+# --te: the model from TransformerEngine's specs (what verl builds), and verl's path with TE's own
+# attention as verl configures it: attention_backend flash (whichever FlashAttention TE finds) or
+# fused (cuDNN), V as megatron-core hands it.
+TE_PATHS = {"verl_te_flash": "flash", "verl_te_fused": "fused"}
+TE_ALL_PATHS = ("verl", *TE_PATHS, CAT_PATH, "verl_ops")
 
 # hidden, heads, q_lora_rank, dense FFN, expert FFN, shared-expert FFN
 SIZES = {
@@ -434,7 +445,22 @@ class Step:
                     k_channels=getattr(ours, "k_channels", None),
                     v_channels=getattr(ours, "v_channels", None),
                 ))
+        te_paths = [p for p in paths if p in TE_PATHS]
+        if te_paths:
+            # TE's own core attention, built as MultiLatentAttention builds its own (one module per
+            # layer serves both backends: the backend is chosen per call, by the environment)
+            from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+            te_cores = [TEDotProductAttention(
+                config=m.config, layer_number=m.layer_number, attn_mask_type=m.attn_mask_type,
+                attention_type=m.attention_type, softmax_scale=m.softmax_scale, k_channels=m.q_head_dim,
+                v_channels=m.config.v_head_dim, cp_comm_type=getattr(ours, "cp_comm_type", None) or "p2p",
+                pg_collection=getattr(m, "pg_collection", None),
+            ) for m, ours in zip(self.mlas, self.cores["verl_ops"])]
+            for path in te_paths:
+                self.cores[path], self.packs[path] = te_cores, verl_pack
         self.paths = [p for p in paths if p in self.cores]
+        self._te_env = None
         self.patches = list(patches)
         self.path = None
         from megatron.core import tensor_parallel
@@ -448,6 +474,12 @@ class Step:
                           for path in self.paths}
 
     def use(self, path):
+        if self._te_env is not None:  # leave the previous TE path's backend
+            self._te_env.__exit__(None, None, None)
+            self._te_env = None
+        if path in TE_PATHS:
+            self._te_env = mml.te_attention(TE_PATHS[path])
+            self._te_env.__enter__()
         for m, core in zip(self.mlas, self.cores[path]):
             m.core_attention = core
         for mname, cls, name, old, new in self.patches:
@@ -993,7 +1025,7 @@ def run_size(label, size, args, device, dtype, results):
     for mname, cls, name, old, _ in PATCHES:  # megatron-core as released, so install() patches it again
         _set_global(mname, cls, name, old)
     before = megatron_globals()
-    model = mml.build_model(config, "verl_ops", size=size, device=device, seed=args.seed)
+    model = mml.build_model(config, "verl_ops", size=size, device=device, seed=args.seed, te=args.te)
     patches = patches_between(before, megatron_globals()) or list(PATCHES)
     PATCHES[:] = patches
     model.train()
@@ -1091,14 +1123,14 @@ def print_step_tables(results, smoke):
     wall, GPU kernel time, GPU idle, host syncs, attention kernels."""
     print("\n## Step time\n")
     print("| size | path | step ms (median) | GPU events ms | speedup vs verl | speedup vs verl_fa4 "
-          "| same results |")
+          "(--te: vs verl_te_flash) | same results |")
     print("|---|---|---:|---:|---:|---:|---|")
     for e in results:
         if "times" not in e:
             print(f"| {e['label']} | (error) | {e.get('error', '')} | | | | |")
             continue
         base = e["times"]["verl"]["wall_ms"]
-        peer = e["times"].get(FA4_PATH, {}).get("wall_ms")
+        peer = e["times"].get(FA4_PATH, e["times"].get("verl_te_flash", {})).get("wall_ms")
         for p in e["paths"]:
             t = e["times"][p]
             ev = f"{t['event_ms']:.1f}" if t["event_ms"] is not None else "-"
@@ -1156,6 +1188,9 @@ def main(argv=None):
                     help="torch.profiler over one step of each path at every size: kernel time by category, "
                          "GPU busy and idle (default: on, off with --tiny; on the CPU it only exercises the "
                          "code: no kernels)")
+    ap.add_argument("--te", action="store_true",
+                    help="the model from TransformerEngine's layer specs, and verl's path on TE's own attention "
+                         "(verl_te_flash, verl_te_fused) instead of verl_fa4 (needs transformer_engine)")
     ap.add_argument("--out", default=None, help="JSON results")
     args = ap.parse_args(argv)
     args.sizes = [int(s) for s in args.sizes.split(",") if s]
@@ -1195,10 +1230,22 @@ def main(argv=None):
           + (" (CPU: per-sequence SDPA stands in for the flash kernel)" if smoke else ""))
     print("verl_ops path: verl_ops.integrations.verl drop-ins + MLACoreAttention (install(spec)), "
           "V at its native 128")
+    if args.te:
+        if not mml.transformer_engine_available():
+            sys.exit("--te: transformer_engine.pytorch does not import here (benchmarks/device/te_setup.sh)")
+        import transformer_engine
+
+        args.paths = list(TE_ALL_PATHS)
+        print(f"TransformerEngine {transformer_engine.__version__}: the model from its layer specs; "
+              f"verl_te_flash / verl_te_fused: verl's pack/unpack and log-probs, TE's TEDotProductAttention with "
+              f"NVTE_FLASH_ATTN / NVTE_FUSED_ATTN as attention_backend flash / fused sets them (FlashAttention "
+              f"found by TE: {mml.te_flash_attention_installed()}), V as megatron-core hands it")
     fa4, why = fa4_varlen()
     if smoke:
         why = "a CPU run (FlashAttention-4 runs on CUDA)"
-    if fa4 is None or smoke:
+    if args.te:
+        pass  # (TE's flash backend runs FlashAttention-4 where TE finds it)
+    elif fa4 is None or smoke:
         args.paths = [p for p in ALL_PATHS if p != FA4_PATH]
         print(f"{FA4_PATH} path: skipped, {why}")
     else:
