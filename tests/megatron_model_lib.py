@@ -198,16 +198,21 @@ def te_attention(backend: str):
     built outside (with ``attention_backend`` auto, which leaves the variables at 1); a forward and
     its backward run inside.
 
-    Yields a dict that holds, on exit, what TE selected for its last attention call:
-    ``{"flash": backend name or None, "fused": backend name or None, "unfused": bool}``."""
+    Yields a dict that holds, on exit, what TE selected for its last attention call inside:
+    ``{"ran": whether TE selected a backend inside, "flash": backend name or None, "fused": backend
+    name or None, "unfused": bool}``."""
     from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
 
     if backend not in _TE_BACKENDS:
         raise ValueError(f"te_attention: backend must be one of {sorted(_TE_BACKENDS)}, got {backend!r}")
 
     def reset():
-        dpa._attention_backends["attention_params"] = None
-        dpa._attention_backends["backend_selection_requires_update"] = True
+        # (the last selection's flags too: what is read on exit must come from a call inside)
+        dpa._attention_backends.update(
+            attention_params=None, backend_selection_requires_update=True, use_flash_attention=None,
+            flash_attention_backend=None, use_fused_attention=None, fused_attention_backend=None,
+            use_unfused_attention=None,
+        )
         cache = getattr(dpa, "_thd_policy_backend_cache", None)
         if cache is not None:
             cache.clear()
@@ -220,6 +225,7 @@ def te_attention(backend: str):
         yield seen
     finally:
         chosen = dpa._attention_backends
+        seen["ran"] = chosen["attention_params"] is not None
         seen["flash"] = str(chosen["flash_attention_backend"]) if chosen["use_flash_attention"] else None
         seen["fused"] = str(chosen["fused_attention_backend"]) if chosen["use_fused_attention"] else None
         seen["unfused"] = bool(chosen["use_unfused_attention"])
@@ -405,9 +411,12 @@ def make_config(
     mtp: bool = True,
     routing_replay: bool = True,
     dispatcher: str | None = None,
+    qk_layernorm: bool = False,
 ):
     """The model's ``MLATransformerConfig``: 2 layers (dense, then MoE), MLA with rope, sigmoid
-    top-k router with expert bias and a shared expert, ``mtp_num_layers=1`` when ``mtp``."""
+    top-k router with expert bias and a shared expert, ``mtp_num_layers=1`` when ``mtp``;
+    ``qk_layernorm``: RMSNorm on MLA's compressed q and kv (DeepSeek-V3's q_a / kv_a layernorms;
+    in TransformerEngine's specs fused into the up-projections)."""
     import torch.nn.functional as F
     from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -419,6 +428,7 @@ def make_config(
         num_attention_heads=size.heads,
         ffn_hidden_size=size.ffn_hidden,
         multi_latent_attention=True,
+        qk_layernorm=qk_layernorm,
         q_lora_rank=size.q_lora_rank,
         kv_lora_rank=size.kv_lora_rank,
         qk_head_dim=size.qk_head_dim,
@@ -773,9 +783,12 @@ def copy_weights(dst, src) -> None:
     included)."""
     state = src if isinstance(src, dict) else src.state_dict()
     missing, unexpected = dst.load_state_dict(state, strict=False)
+    # (TransformerEngine's modules keep an "_extra_state" entry, FP8 metadata; a core attention of
+    # another kind in the same slot has none: neither side's counts)
     real_missing = [k for k in missing if not k.endswith("_extra_state")]
-    if real_missing or unexpected:
-        raise ValueError(f"copy_weights: missing {real_missing}, unexpected {unexpected}")
+    real_unexpected = [k for k in unexpected if not k.endswith("_extra_state")]
+    if real_missing or real_unexpected:
+        raise ValueError(f"copy_weights: missing {real_missing}, unexpected {real_unexpected}")
 
 
 def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -41,7 +41,7 @@ CUDNN_LIB=$(python3 -c "import os, nvidia.cudnn as m; print(os.path.join(list(m.
 status=0
 for v in $MCORE; do
   t1=$(date +%s)
-  PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" VERL_OPS_TEST_REPORT_DIR="$OUT" timeout "${TEST_TIMEOUT:-220}" \
+  PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" VERL_OPS_TEST_REPORT_DIR="$OUT" timeout "${TEST_TIMEOUT:-420}" \
     python3 -m pytest tests/test_megatron_te.py -q -p no:cacheprovider -rfEs ${PYTEST_ARGS:-} \
     > "$OUT/te_tests_$v.log" 2>&1; rc=$?
   echo "megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
