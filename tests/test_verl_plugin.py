@@ -209,3 +209,41 @@ def test_unsupported_layers_keep_their_attention_and_are_reported():
     models = res["report"]["mla"]["models"]
     assert models[1]["kept"] == {"config.attention_dropout=0.1": models[1]["kept"]["config.attention_dropout=0.1"]}
     assert models[1]["kept"]["config.attention_dropout=0.1"] >= 1 and not models[1]["replaced"]
+
+
+def test_verls_engine_forward_with_the_plugin_equals_without(tmp_path):
+    """verl's own Megatron engine forward (get_mcore_engine_forward_fn -> gptmodel_forward_model_engine,
+    the engine's log-prob processor, a policy-gradient loss, backward) on a model from vanilla
+    mbridge's DeepSeek-V3 provider, once with the plugin and once without, each in a fresh process:
+    the plugin's run goes through verl_ops (drop-ins in verl's modules, MLACoreAttention in every MLA
+    layer, verl_ops' log-probs) and gives the same log-probs, entropy, routes and gradients (float32
+    on the CPU: both attentions are exact float32 references)."""
+    import torch
+
+    on_file, off_file = tmp_path / "on.pt", tmp_path / "off.pt"
+    on, _ = run("engine_forward", VERL_OPS_ENGINE_OUT=str(on_file))
+    off, _ = run("engine_forward", VERL_OPS_PLUGIN="off", VERL_OPS_ENGINE_OUT=str(off_file))
+    assert on["layers"] == {"MLACoreAttention": 2}, on["layers"]
+    assert off["layers"] == {"ReferenceMLACoreAttention": 2}, off["layers"]
+    assert on["log_probs_fn"].startswith("verl_ops."), on["log_probs_fn"]
+    assert not off["log_probs_fn"].startswith("verl_ops."), off["log_probs_fn"]
+    # verl's model_forward binds the THD helpers by name: the plugin's are there, and only with it
+    mf = {k: v for k, v in on["drop_ins"].items() if k.startswith("verl.models.mcore.model_forward.")}
+    assert mf and all(mf.values()), on["drop_ins"]
+    assert not any(off["drop_ins"].values()), off["drop_ins"]
+    assert on["param_sum"] == off["param_sum"], "the two processes built different weights"
+    assert on["nested"] == off["nested"] == [True, True]
+    a, b = torch.load(on_file), torch.load(off_file)
+    for r_on, r_off in zip(a["routes"], b["routes"], strict=True):
+        assert torch.equal(r_on, r_off), "the router chose other experts with the plugin"
+    for key in ("log_probs", "entropy"):
+        assert a[key].shape == b[key].shape, key
+        torch.testing.assert_close(a[key], b[key], rtol=2e-5, atol=2e-5, msg=lambda m, key=key: f"{key}: {m}")
+    assert a["grads"].keys() == b["grads"].keys()
+    attention = [n for n in a["grads"] if ".self_attention." in n and a["grads"][n] is not None]
+    assert attention, "no attention parameter got a gradient"
+    for name, ga in a["grads"].items():
+        gb = b["grads"][name]
+        assert (ga is None) == (gb is None), name
+        if ga is not None:
+            torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")

@@ -202,6 +202,131 @@ def scenario_builders() -> dict:
     return out
 
 
+def scenario_engine_forward() -> dict:
+    """verl's own Megatron engine forward, with the verl plugin on or off (VERL_OPS_PLUGIN): a tiny
+    DeepSeek-V3-like model (MLA + MoE) from vanilla mbridge's DeepSeek-V3 provider after a
+    bare ``import verl``, run through verl's ``get_mcore_engine_forward_fn(hf_config)``
+    (``gptmodel_forward_model_engine``) on a jagged batch, THD, with the engine's log-prob processor
+    (temperature, entropy, ``vocab_parallel_log_probs_from_logits`` as verl's engine binds it) and a
+    policy-gradient loss, backward. Every MLA layer's core attention is, on the CPU, a plain torch
+    attention on V padded (the stand-in for TransformerEngine's: megatron-core's local one takes no
+    THD batch) that the plugin replaces by MLACoreAttention; megatron-core's fixes for running
+    without TransformerEngine are applied in both runs. The router records its routes.
+
+    Saves log-probs, entropy, routes and every gradient to VERL_OPS_ENGINE_OUT (torch.save)."""
+    import functools
+    import random
+
+    import torch
+
+    import verl  # noqa: F401
+
+    import megatron_model_lib as lib
+
+    lib.init_distributed(1)
+    lib.eager_megatron_fusions()
+    # (both runs: megatron-core's fixes for running without TransformerEngine, which the CPU lacks;
+    # with the plugin on they are in place already)
+    from verl_ops.integrations.megatron_compat import patch_megatron_core
+
+    patch_megatron_core()
+    size = lib.SIZES["tiny"]
+    import mbridge.core.llm_bridge as mb_llm
+    import mbridge.models.deepseek_v3 as mb_dsv3
+    from megatron.core.models.gpt import gpt_layer_specs as specs
+    from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+    def local_with_stand_in(fn):
+        def call(*args, **kwargs):
+            kwargs["use_transformer_engine"] = False
+            spec = fn(*args, **kwargs)
+            lib.set_core_attention(spec, lib.ReferenceMLACoreAttention)
+            return spec
+
+        return call
+
+    for mod in (mb_llm, mb_dsv3):
+        for name in ("get_gpt_decoder_block_spec", "get_gpt_mtp_block_spec"):
+            if hasattr(mod, name):
+                setattr(mod, name, local_with_stand_in(getattr(specs, name)))
+    # (MTP off, as verl's engine configures it unless model.mtp.enable: mtp_num_layers None)
+    config = lib.make_config("tiny", mtp=False)
+    hf_config = _tiny_hf_config(size)
+    bridge = mb_dsv3.DeepseekV3Bridge.__new__(mb_dsv3.DeepseekV3Bridge)
+    bridge.config, bridge.hf_config, bridge.has_vp_stage = config, hf_config, False
+    bridge._get_gptmodel_args = lambda: {
+        "vocab_size": size.vocab, "max_sequence_length": size.max_seq,
+        "position_embedding_type": "rope", "rotary_base": 10000,
+    }
+    torch.manual_seed(0)
+    with lib.megatron_device("cpu"):
+        model = bridge._model_provider([])(True, True)
+    lib.randomize_expert_bias(model, 1)
+
+    # The engine's log-prob processor (MegatronEngineWithLMHead._lm_head_logits_processor without
+    # sum_pi_squared / distillation), with the functions as verl's engine module binds them: after
+    # ``import verl`` (and so after the plugin), from verl.utils.megatron.tensor_parallel.
+    from verl.utils.megatron import tensor_parallel as verl_tp
+
+    log_probs_fn, entropy_fn = verl_tp.vocab_parallel_log_probs_from_logits, verl_tp.vocab_parallel_entropy
+
+    def processor(logits, label, temperature):
+        temperature[temperature <= 0] = 1e-8
+        logits.div_(temperature.unsqueeze(dim=-1).to(logits.dtype))
+        logits_bak = logits.clone()
+        return {"entropy": entropy_fn(logits), "log_probs": log_probs_fn(logits_bak, label)}
+
+    import verl.utils.torch_functional as verl_F
+    from verl.models.mcore import get_mcore_engine_forward_fn
+
+    rng = random.Random(5)
+    lengths = lib.random_lengths(rng, 4, 7, hi=80, with_long=True)
+    g = torch.Generator().manual_seed(9)
+    seqs = [torch.randint(1, size.vocab, (n,), generator=g) for n in lengths]
+    input_ids = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
+    loss_mask = torch.nested.as_nested_tensor([(torch.rand(n, generator=g) < 0.8).float() for n in lengths],
+                                              layout=torch.jagged)
+    adv = torch.randn(sum(lengths), generator=g)
+    temperature = verl_F.expand_as_nested(torch.full((len(lengths),), 0.7), input_ids)
+    routers = lib.routers(model)
+    for r in routers:
+        r.clear_indices()
+        r.set_router_replay_action(RouterReplayAction.RECORD)
+    forward_fn = get_mcore_engine_forward_fn(hf_config)
+    model.zero_grad(set_to_none=True)
+    with lib.megatron_device("cpu"):
+        lib.clear_mtp_tracker()
+        out = forward_fn(
+            model, input_ids, {}, logits_processor=functools.partial(processor),
+            logits_processor_args={"label": input_ids.clone(), "temperature": temperature, "loss_mask": loss_mask,
+                                   "response_attention_mask": None},
+            vision_model=False, pad_token_id=0, data_format="thd", mtp_enable_train=False,
+        )
+        lp, ent = out["log_probs"], out["entropy"]
+        lp_v = lp.values() if lp.is_nested else lp
+        loss = -(lp_v * adv * loss_mask.values()).sum() / loss_mask.values().sum()
+        loss.backward()
+    routes = [r.get_recorded_indices().detach().clone() for r in routers]
+    for r in routers:
+        r.clear_indices()
+        r.clear_router_replay_action()
+    path = os.environ["VERL_OPS_ENGINE_OUT"]
+    torch.save({
+        "log_probs": lp_v.detach().clone(), "entropy": (ent.values() if ent.is_nested else ent).detach().clone(),
+        "routes": routes, "grads": lib.grads(model),
+    }, path)
+    return {
+        "layers": _mla_layers(model),
+        "lengths": lengths,
+        "nested": [bool(lp.is_nested), bool(ent.is_nested)],
+        "log_probs_fn": f"{log_probs_fn.__module__}.{log_probs_fn.__name__}",
+        "param_sum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "drop_ins": drop_in_state(),
+        "report": plugin_report(),
+        "warnings": plugin_warnings(),
+    }
+
+
 def scenario_verl_value_pad() -> dict:
     """verl's own MLA patch (megatron-core < 0.16.2: ``MultiLatentAttention.forward`` zero-pads V),
     applied after the model is built as verl's bridge path does: the MLACoreAttention layers still
