@@ -247,3 +247,45 @@ def test_verls_engine_forward_with_the_plugin_equals_without(tmp_path):
         assert (ga is None) == (gb is None), name
         if ga is not None:
             torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def _rel_norm(a, b) -> float:
+    a, b = a.double(), b.double()
+    den = float(b.norm())
+    return float((a - b).norm()) / den if den > 0 else float((a - b).norm())
+
+
+@pytest.mark.gpu
+def test_verls_engine_forward_on_te_specs_with_the_plugin_gpu(tmp_path):
+    """On a GPU with TransformerEngine: verl's own engine forward on the model mbridge builds from
+    TE's specs (DeepSeek-V3's head dims, bf16), without the plugin (TE's attention; the routes
+    recorded) and with it (MLACoreAttention, verl_ops' drop-ins; the routes replayed): log-probs,
+    entropy and every gradient within bf16 tolerance (relative norms, as tests/test_megatron_model.py's
+    CUDA cases), and the plugin's step faster."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is None:
+        pytest.skip("needs TransformerEngine (benchmarks/device/te_setup.sh)")
+    off_file, on_file = tmp_path / "off.pt", tmp_path / "on.pt"
+    off, _ = run("engine_forward", VERL_OPS_PLUGIN="off", VERL_OPS_ENGINE_DEVICE="cuda",
+                 VERL_OPS_ENGINE_OUT=str(off_file))
+    on, _ = run("engine_forward", VERL_OPS_ENGINE_DEVICE="cuda", VERL_OPS_ENGINE_OUT=str(on_file),
+                VERL_OPS_ENGINE_REPLAY=str(off_file))
+    assert off["te"] and on["te"], "TransformerEngine did not import in the scenario"
+    assert off["layers"] == {"TEDotProductAttention": 2}, off["layers"]
+    assert on["layers"] == {"MLACoreAttention": 2}, on["layers"]
+    assert off["te_selected"] and (off["te_selected"]["flash"] or off["te_selected"]["fused"]), off["te_selected"]
+    assert on["log_probs_fn"].startswith("verl_ops."), on["log_probs_fn"]
+    assert on["param_sum"] == off["param_sum"], "the two processes built different weights"
+    a, b = torch.load(on_file), torch.load(off_file)
+    for key, tol in (("log_probs", 2e-2), ("entropy", 2e-2)):
+        assert a[key].shape == b[key].shape, key
+        assert _rel_norm(a[key], b[key]) <= tol, f"{key}: relative difference {_rel_norm(a[key], b[key]):.3g}"
+    bad = {n: round(_rel_norm(g, b["grads"][n]), 4) for n, g in a["grads"].items()
+           if g is not None and b["grads"][n] is not None and _rel_norm(g, b["grads"][n]) > 5e-2}
+    assert not bad, f"gradients beyond 5e-2 relative: {bad}"
+    assert on["step_ms"] < off["step_ms"], (on["step_ms"], off["step_ms"])

@@ -203,19 +203,29 @@ def scenario_builders() -> dict:
 
 
 def scenario_engine_forward() -> dict:
-    """verl's own Megatron engine forward, with the verl plugin on or off (VERL_OPS_PLUGIN): a tiny
-    DeepSeek-V3-like model (MLA + MoE) from vanilla mbridge's DeepSeek-V3 provider after a
-    bare ``import verl``, run through verl's ``get_mcore_engine_forward_fn(hf_config)``
+    """verl's own Megatron engine forward, with the verl plugin on or off (VERL_OPS_PLUGIN): a
+    DeepSeek-V3-like model (MLA + MoE) from vanilla mbridge's DeepSeek-V3 provider after a bare
+    ``import verl``, run through verl's ``get_mcore_engine_forward_fn(hf_config)``
     (``gptmodel_forward_model_engine``) on a jagged batch, THD, with the engine's log-prob processor
     (temperature, entropy, ``vocab_parallel_log_probs_from_logits`` as verl's engine binds it) and a
-    policy-gradient loss, backward. Every MLA layer's core attention is, on the CPU, a plain torch
-    attention on V padded (the stand-in for TransformerEngine's: megatron-core's local one takes no
-    THD batch) that the plugin replaces by MLACoreAttention; megatron-core's fixes for running
-    without TransformerEngine are applied in both runs. The router records its routes.
+    policy-gradient loss, backward.
 
-    Saves log-probs, entropy, routes and every gradient to VERL_OPS_ENGINE_OUT (torch.save)."""
+    - On the CPU (default): the tiny model in float32, megatron-core's local specs; every MLA core
+      attention is a plain torch attention on V padded (the stand-in for TransformerEngine's:
+      megatron-core's local one takes no THD batch), which the plugin replaces by MLACoreAttention;
+      megatron-core's fixes for running without TransformerEngine in both runs.
+    - VERL_OPS_ENGINE_DEVICE=cuda: the "real" model (DeepSeek-V3's head dims) in bf16 on the GPU,
+      from TransformerEngine's specs as mbridge builds them where TE imports (the plugin off: TE's
+      own attention; on: MLACoreAttention), else as on the CPU. Then also the median time of
+      VERL_OPS_ENGINE_REPS (default 10) more steps, after 3 untimed ones.
+
+    The routers record their routes, or, with VERL_OPS_ENGINE_REPLAY=FILE (an earlier run's output),
+    replay that run's. Saves log-probs, entropy, routes and every gradient to VERL_OPS_ENGINE_OUT
+    (torch.save)."""
     import functools
     import random
+    import statistics
+    import time
 
     import torch
 
@@ -223,14 +233,20 @@ def scenario_engine_forward() -> dict:
 
     import megatron_model_lib as lib
 
-    lib.init_distributed(1)
+    cuda = os.environ.get("VERL_OPS_ENGINE_DEVICE") == "cuda"
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    te = cuda and lib.transformer_engine_available()
+    if cuda:
+        torch.cuda.set_device(device)
+    lib.init_distributed(1, device)
     lib.eager_megatron_fusions()
-    # (both runs: megatron-core's fixes for running without TransformerEngine, which the CPU lacks;
-    # with the plugin on they are in place already)
+    # (megatron-core's fixes for running without TransformerEngine; with the plugin on they are in
+    # place already, and where TE is there they find nothing to fix)
     from verl_ops.integrations.megatron_compat import patch_megatron_core
 
     patch_megatron_core()
-    size = lib.SIZES["tiny"]
+    size = lib.SIZES["real" if cuda else "tiny"]
+    dtype = torch.bfloat16 if cuda else torch.float32
     import mbridge.core.llm_bridge as mb_llm
     import mbridge.models.deepseek_v3 as mb_dsv3
     from megatron.core.models.gpt import gpt_layer_specs as specs
@@ -245,12 +261,13 @@ def scenario_engine_forward() -> dict:
 
         return call
 
-    for mod in (mb_llm, mb_dsv3):
-        for name in ("get_gpt_decoder_block_spec", "get_gpt_mtp_block_spec"):
-            if hasattr(mod, name):
-                setattr(mod, name, local_with_stand_in(getattr(specs, name)))
+    if not te:
+        for mod in (mb_llm, mb_dsv3):
+            for name in ("get_gpt_decoder_block_spec", "get_gpt_mtp_block_spec"):
+                if hasattr(mod, name):
+                    setattr(mod, name, local_with_stand_in(getattr(specs, name)))
     # (MTP off, as verl's engine configures it unless model.mtp.enable: mtp_num_layers None)
-    config = lib.make_config("tiny", mtp=False)
+    config = lib.make_config(size, dtype=dtype, device=device.type, mtp=False)
     hf_config = _tiny_hf_config(size)
     bridge = mb_dsv3.DeepseekV3Bridge.__new__(mb_dsv3.DeepseekV3Bridge)
     bridge.config, bridge.hf_config, bridge.has_vp_stage = config, hf_config, False
@@ -259,8 +276,12 @@ def scenario_engine_forward() -> dict:
         "position_embedding_type": "rope", "rotary_base": 10000,
     }
     torch.manual_seed(0)
-    with lib.megatron_device("cpu"):
-        model = bridge._model_provider([])(True, True)
+    if cuda:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(0)
+    with lib.megatron_device(device):
+        model = bridge._model_provider([])(True, True).to(device)
     lib.randomize_expert_bias(model, 1)
 
     # The engine's log-prob processor (MegatronEngineWithLMHead._lm_head_logits_processor without
@@ -280,47 +301,83 @@ def scenario_engine_forward() -> dict:
     from verl.models.mcore import get_mcore_engine_forward_fn
 
     rng = random.Random(5)
-    lengths = lib.random_lengths(rng, 4, 7, hi=80, with_long=True)
+    if cuda:
+        lengths = lib.random_lengths(rng, 4, 8, lo=16, hi=2048, mu=6.0, sigma=1.0, with_long=True)
+    else:
+        lengths = lib.random_lengths(rng, 4, 7, hi=80, with_long=True)
     g = torch.Generator().manual_seed(9)
-    seqs = [torch.randint(1, size.vocab, (n,), generator=g) for n in lengths]
+    seqs = [torch.randint(1, size.vocab, (n,), generator=g).to(device) for n in lengths]
     input_ids = torch.nested.as_nested_tensor(seqs, layout=torch.jagged)
-    loss_mask = torch.nested.as_nested_tensor([(torch.rand(n, generator=g) < 0.8).float() for n in lengths],
-                                              layout=torch.jagged)
-    adv = torch.randn(sum(lengths), generator=g)
-    temperature = verl_F.expand_as_nested(torch.full((len(lengths),), 0.7), input_ids)
+    loss_mask = torch.nested.as_nested_tensor(
+        [(torch.rand(n, generator=g) < 0.8).float().to(device) for n in lengths], layout=torch.jagged)
+    adv = torch.randn(sum(lengths), generator=g).to(device)
+    temperature = verl_F.expand_as_nested(torch.full((len(lengths),), 0.7, device=device), input_ids)
     routers = lib.routers(model)
-    for r in routers:
-        r.clear_indices()
-        r.set_router_replay_action(RouterReplayAction.RECORD)
+    replay = os.environ.get("VERL_OPS_ENGINE_REPLAY")
+    targets = torch.load(replay)["routes"] if replay else None
     forward_fn = get_mcore_engine_forward_fn(hf_config)
-    model.zero_grad(set_to_none=True)
-    with lib.megatron_device("cpu"):
-        lib.clear_mtp_tracker()
-        out = forward_fn(
-            model, input_ids, {}, logits_processor=functools.partial(processor),
-            logits_processor_args={"label": input_ids.clone(), "temperature": temperature, "loss_mask": loss_mask,
-                                   "response_attention_mask": None},
-            vision_model=False, pad_token_id=0, data_format="thd", mtp_enable_train=False,
-        )
-        lp, ent = out["log_probs"], out["entropy"]
-        lp_v = lp.values() if lp.is_nested else lp
-        loss = -(lp_v * adv * loss_mask.values()).sum() / loss_mask.values().sum()
-        loss.backward()
-    routes = [r.get_recorded_indices().detach().clone() for r in routers]
-    for r in routers:
-        r.clear_indices()
-        r.clear_router_replay_action()
+
+    def step(record: bool):
+        for i, r in enumerate(routers):
+            r.clear_indices()
+            if targets is not None:
+                r.set_target_indices(targets[i].to(device))
+                r.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)
+            elif record:
+                r.set_router_replay_action(RouterReplayAction.RECORD)
+        model.zero_grad(set_to_none=True)
+        with lib.megatron_device(device):
+            out = forward_fn(
+                model, input_ids, {}, logits_processor=functools.partial(processor),
+                logits_processor_args={"label": input_ids.clone(), "temperature": temperature.clone(),
+                                       "loss_mask": loss_mask, "response_attention_mask": None},
+                vision_model=False, pad_token_id=0, data_format="thd", mtp_enable_train=False,
+            )
+            lp, ent = out["log_probs"], out["entropy"]
+            lp_v = lp.values() if lp.is_nested else lp
+            loss = -(lp_v * adv * loss_mask.values()).sum() / loss_mask.values().sum()
+            loss.backward()
+        routes = [r.get_recorded_indices().detach().clone() for r in routers] if record and targets is None else None
+        for r in routers:
+            r.clear_indices()
+            r.clear_router_replay_action()
+        return lp, ent, lp_v, routes
+
+    selected = None
+    lp, ent, lp_v, routes = step(record=True)
+    if te:
+        from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+
+        chosen = dpa._attention_backends
+        selected = {"flash": str(chosen["flash_attention_backend"]) if chosen["use_flash_attention"] else None,
+                    "fused": str(chosen["fused_attention_backend"]) if chosen["use_fused_attention"] else None}
     path = os.environ["VERL_OPS_ENGINE_OUT"]
     torch.save({
-        "log_probs": lp_v.detach().clone(), "entropy": (ent.values() if ent.is_nested else ent).detach().clone(),
-        "routes": routes, "grads": lib.grads(model),
+        "log_probs": lp_v.detach().float().cpu(), "entropy": (ent.values() if ent.is_nested else ent).detach().float().cpu(),
+        "routes": [r.cpu() for r in routes] if routes is not None else [t.cpu() for t in targets],
+        "grads": {k: (v.cpu() if v is not None else None) for k, v in lib.grads(model).items()},
     }, path)
+    step_ms = None
+    if cuda:
+        times = []
+        for i in range(3 + int(os.environ.get("VERL_OPS_ENGINE_REPS", "10"))):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step(record=False)
+            torch.cuda.synchronize()
+            if i >= 3:
+                times.append((time.perf_counter() - t0) * 1e3)
+        step_ms = statistics.median(times)
     return {
+        "device": str(device),
+        "te": te,
+        "te_selected": selected,
         "layers": _mla_layers(model),
         "lengths": lengths,
         "nested": [bool(lp.is_nested), bool(ent.is_nested)],
         "log_probs_fn": f"{log_probs_fn.__module__}.{log_probs_fn.__name__}",
         "param_sum": float(sum(p.detach().double().sum() for p in model.parameters())),
+        "step_ms": step_ms,
         "drop_ins": drop_in_state(),
         "report": plugin_report(),
         "warnings": plugin_warnings(),

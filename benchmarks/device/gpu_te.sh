@@ -8,8 +8,10 @@
 #   tests       per megatron-core version: tests/test_megatron_te.py (CP = 1 on one GPU; CP = 2 over
 #               NCCL where 2 GPUs are there), FlashAttention-4 on the path where /tmp/fa4/PYTHONPATH
 #               exists (benchmarks/device/fa4_setup.sh); a JSON summary per test in $OUT
+#   verl        where .vb is carried (verl's import-time dependencies as wheels, see below): verl's own
+#               engine forward with the plugin on and off, per version (VERL_ENGINE=0 skips it)
 #   bench       with BENCH_MCORE="0.16.1 ...": bench_megatron_step.py --te at hidden 4096 per version
-# Carry: [".te", ".whl", ".cudnn_fe"].
+# Carry: [".te", ".whl", ".cudnn_fe"] (and ".vb" for the verl step).
 #
 #   OUT=/some/dir bash benchmarks/device/gpu_te.sh
 #   OUT=/some/dir MCORE=0.19.2 PYTEST_ARGS="-k context_parallel" bash benchmarks/device/gpu_te.sh
@@ -47,6 +49,26 @@ for v in $MCORE; do
   echo "megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/te_tests_$v.log" | cut -c1-1500 | tail -8
 done
+if [ -d .vb ] && [ "${VERL_ENGINE:-1}" = 1 ]; then
+  # verl's own engine forward with the plugin on and off (tests/test_verl_plugin.py -k engine_forward):
+  # verl's import-time dependencies from .vb (carried: tensordict, omegaconf, codetiming, orjson,
+  # cloudpickle, pyvers, mbridge; .vb/stubs holds an import-only stand-in for ray), and verl_ops'
+  # entry point (verl loads "verl.plugins" entry points; this in-place build has no metadata).
+  rm -rf /tmp/vbsite
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vbsite .vb/*.whl \
+    > "$OUT/vbsite.log" 2>&1 || tail -5 "$OUT/vbsite.log"
+  mkdir -p /tmp/vbsite/verl_ops-0.1.0.dist-info
+  printf 'Metadata-Version: 2.1\nName: verl_ops\nVersion: 0.1.0\n' > /tmp/vbsite/verl_ops-0.1.0.dist-info/METADATA
+  printf '[verl.plugins]\nverl_ops = verl_ops_plugin\n' > /tmp/vbsite/verl_ops-0.1.0.dist-info/entry_points.txt
+  for v in $MCORE; do
+    t1=$(date +%s)
+    PYTHONPATH="/tmp/mcore-$v:/tmp/vbsite:$PWD/.vb/stubs:$PYTHONPATH" timeout "${VERL_TIMEOUT:-300}" \
+      python3 -m pytest tests/test_verl_plugin.py -k engine_forward -q -p no:cacheprovider -rfEs \
+      > "$OUT/verl_engine_$v.log" 2>&1; rc=$?
+    echo "verl engine forward, megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
+    grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/verl_engine_$v.log" | cut -c1-1500 | tail -6
+  done
+fi
 for v in ${BENCH_MCORE:-}; do
   # the step on TE's specs: verl's path with TE flash / fused attention against verl_ops
   t1=$(date +%s)
