@@ -525,6 +525,17 @@ def time_paths(step, batches, paths, reps, warmup, device):
         sync(device)
     wall = {p: [] for p in paths}
     events = {p: [] for p in paths}
+    # The caching allocator's device calls during the timed steps, per path: a cudaMalloc /
+    # cudaFree (and a retry after freeing the cache) makes the host wait for the GPU, which the
+    # sync count (set_sync_debug_mode) does not see but the GPU idle does.
+    alloc = {p: {"device_allocs": 0, "device_frees": 0, "alloc_retries": 0} for p in paths}
+
+    def allocator_counts():
+        if device.type != "cuda":
+            return (0, 0, 0)
+        m = torch.cuda.memory_stats(device)
+        return (m.get("num_device_alloc", 0), m.get("num_device_free", 0), m.get("num_alloc_retries", 0))
+
     for r in range(reps):
         order = paths if r % 2 == 0 else paths[::-1]
         for path in order:
@@ -534,12 +545,15 @@ def time_paths(step, batches, paths, reps, warmup, device):
             if device.type == "cuda":
                 e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 e0.record()
+            before = allocator_counts()
             t0 = time.perf_counter()
             step(batches[r % len(batches)])
             if device.type == "cuda":
                 e1.record()
             sync(device)
             wall[path].append((time.perf_counter() - t0) * 1e3)
+            for key, b, a in zip(alloc[path], before, allocator_counts()):
+                alloc[path][key] += a - b
             if device.type == "cuda":
                 events[path].append(e0.elapsed_time(e1))
     out = {}
@@ -548,6 +562,8 @@ def time_paths(step, batches, paths, reps, warmup, device):
             "wall_ms": statistics.median(wall[p]),
             "wall_ms_all": wall[p],
             "event_ms": statistics.median(events[p]) if events[p] else None,
+            # summed over the timed steps
+            "allocator": alloc[p],
         }
     return out
 
@@ -1161,6 +1177,13 @@ def print_step_tables(results, smoke):
             if syncs.get(p):
                 print(f"- host syncs of one {p} step, by source file: "
                       + ", ".join(f"{f} {n}" for f, n in syncs[p].items()))
+        reps = len(e["times"][e["paths"][0]].get("wall_ms_all", [])) or 1
+        for p in e["paths"]:
+            a = e["times"][p].get("allocator")
+            if a and any(a.values()):
+                print(f"- caching allocator, {p}, per timed step: {a['device_allocs'] / reps:.1f} cudaMalloc, "
+                      f"{a['device_frees'] / reps:.1f} cudaFree, {a['alloc_retries'] / reps:.1f} retries "
+                      "(each a wait for the GPU)")
     print("\nstep (wall): median wall clock between synchronisations. GPU kernel time: the kernels, copies "
           "and memsets of one traced step (torch.profiler over exactly that step), summed. GPU idle: step "
           "(wall) minus the time the GPU was busy in the traced step (the union of those intervals: "
