@@ -261,6 +261,12 @@ def scenario_engine_forward() -> dict:
 
         return call
 
+    if not cuda:
+        # (on the CPU of a machine that has TE: megatron-core's router GEMM would take TE's, CUDA only)
+        from megatron.core.transformer.moe import moe_utils
+
+        if getattr(moe_utils, "te_general_gemm", None) is not None:
+            moe_utils.te_general_gemm = None
     if not te:
         for mod in (mb_llm, mb_dsv3):
             for name in ("get_gpt_decoder_block_spec", "get_gpt_mtp_block_spec"):

@@ -15,6 +15,7 @@
 #
 #   OUT=/some/dir bash benchmarks/device/gpu_te.sh
 #   OUT=/some/dir MCORE=0.19.2 PYTEST_ARGS="-k context_parallel" bash benchmarks/device/gpu_te.sh
+#   OUT=/some/dir MCORE=0.16.1 TE_TESTS=0 bash benchmarks/device/gpu_te.sh     # the verl step alone
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
@@ -42,6 +43,7 @@ CUDNN_LIB=$(python3 -c "import os, nvidia.cudnn as m; print(os.path.join(list(m.
 [ -f /tmp/fa4/PYTHONPATH ] && export PYTHONPATH="$PYTHONPATH:$(cat /tmp/fa4/PYTHONPATH)"
 status=0
 for v in $MCORE; do
+  [ "${TE_TESTS:-1}" = 1 ] || break
   t1=$(date +%s)
   PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" VERL_OPS_TEST_REPORT_DIR="$OUT" timeout "${TEST_TIMEOUT:-420}" \
     python3 -m pytest tests/test_megatron_te.py -q -p no:cacheprovider -rfEs ${PYTEST_ARGS:-} \
@@ -62,8 +64,9 @@ if [ -d .vb ] && [ "${VERL_ENGINE:-1}" = 1 ]; then
   printf '[verl.plugins]\nverl_ops = verl_ops_plugin\n' > /tmp/vbsite/verl_ops-0.1.0.dist-info/entry_points.txt
   for v in $MCORE; do
     t1=$(date +%s)
-    PYTHONPATH="/tmp/mcore-$v:/tmp/vbsite:$PWD/.vb/stubs:$PYTHONPATH" timeout "${VERL_TIMEOUT:-300}" \
-      python3 -m pytest tests/test_verl_plugin.py -k engine_forward -q -p no:cacheprovider -rfEs \
+    PYTHONPATH="/tmp/mcore-$v:/tmp/vbsite:$PWD/.vb/stubs:$PYTHONPATH" VERL_OPS_REQUIRE_VERL=1 \
+      VERL_OPS_TEST_REPORT_DIR="$OUT" timeout "${VERL_TIMEOUT:-300}" \
+      python3 -m pytest tests/test_verl_plugin.py -k engine_forward_on_te_specs -q -p no:cacheprovider -rfEs \
       > "$OUT/verl_engine_$v.log" 2>&1; rc=$?
     echo "verl engine forward, megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
     grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/verl_engine_$v.log" | cut -c1-1500 | tail -6
