@@ -799,3 +799,57 @@ def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     if scale == 0.0:
         return 0.0 if err == 0.0 else math.inf
     return err / scale
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor, metric: str = "norm") -> float:
+    """``a``'s error against ``b``: ``"norm"``, ||a - b|| / ||b||, or ``"max"`` (:func:`max_rel_err`)."""
+    if metric == "max":
+        return max_rel_err(a, b)
+    a, b = a.double(), b.double()
+    den = float(b.norm())
+    num = float((a - b).norm())
+    return 0.0 if num == 0.0 else (num / den if den > 0 else float("inf"))
+
+
+def grad_report(ours: dict, ref: dict, metric: str = "norm") -> dict:
+    """Per-parameter errors of ``ours`` against ``ref`` (name -> :func:`rel_err`), the reference's
+    norms, the names that have a gradient on one side only and those without one in ``ref``."""
+    one_sided = sorted(n for n in set(ours) | set(ref) if (ours.get(n) is None) != (ref.get(n) is None))
+    errors = {n: rel_err(ours[n], ref[n], metric) for n in ref if ref[n] is not None and ours.get(n) is not None}
+    norms = {n: float(ref[n].double().norm()) for n in errors}
+    return {"errors": errors, "norms": norms, "one_sided": one_sided,
+            "no_grad": sorted(n for n in ref if ref[n] is None)}
+
+
+def mla_core_attention_types(model) -> list:
+    """The class name of every MLA layer's core attention, in module order."""
+    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
+
+    return [type(m.core_attention).__name__ for m in model.modules() if isinstance(m, MultiLatentAttention)]
+
+
+def routes_values(routes) -> torch.Tensor:
+    """A route tensor's rows (a jagged nested one's values) on the CPU."""
+    return (routes.values() if routes.is_nested else routes).cpu()
+
+
+def route_pairs(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """(tokens whose top-k sets agree in every layer, tokens) of two [T, L, K] route tensors."""
+    sa, sb = a.long().sort(dim=-1).values, b.long().sort(dim=-1).values
+    same = (sa == sb).all(dim=-1).all(dim=-1)
+    return int(same.sum()), int(same.numel())
+
+
+def broadcast_singles(singles) -> None:
+    """Rank 0's single-process results on every rank, in place: ``singles`` is a list of (routes, a
+    jagged nested route tensor; per-token loss; name -> gradient or None). On GPUs a single
+    process's backward is not bitwise deterministic (atomics in the MoE's unpermute and the
+    embedding), so each rank's own run may differ slightly; a CP run is checked against rank 0's."""
+    import torch.distributed as dist
+
+    for routes, loss, grads in singles:
+        dist.broadcast(routes.values().view(torch.uint8), src=0)
+        dist.broadcast(loss, src=0)
+        for name in sorted(grads):
+            if grads[name] is not None:
+                dist.broadcast(grads[name], src=0)

@@ -100,23 +100,8 @@ def _run(backend: str, name: str, *args, timeout_s: float = 240.0):
 # Comparison helpers (used on the ranks; they return numbers, the test asserts).
 
 
-def _err(a: torch.Tensor, b: torch.Tensor, metric: str) -> float:
-    if metric == "max":
-        return lib.max_rel_err(a, b)
-    a, b = a.double(), b.double()
-    den = float(b.norm())
-    num = float((a - b).norm())
-    return 0.0 if num == 0.0 else (num / den if den > 0 else float("inf"))
-
-
-def _grad_report(ours: dict, ref: dict, metric: str) -> dict:
-    """Per-parameter errors of ``ours`` against ``ref`` (name -> error), and the names that have a
-    gradient on one side only."""
-    one_sided = sorted(n for n in set(ours) | set(ref) if (ours.get(n) is None) != (ref.get(n) is None))
-    errors = {n: _err(ours[n], ref[n], metric) for n in ref if ref[n] is not None and ours.get(n) is not None}
-    norms = {n: float(ref[n].double().norm()) for n in errors}
-    return {"errors": errors, "norms": norms, "one_sided": one_sided,
-            "no_grad": sorted(n for n in ref if ref[n] is None)}
+_err = lib.rel_err
+_grad_report = lib.grad_report
 
 
 _COMPAT = {}
@@ -175,21 +160,9 @@ def _megatron_version() -> str:
     return f"megatron-core {getattr(megatron.core, '__version__', '?')}"
 
 
-def _mla_core_attention_types(model) -> list:
-    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
-
-    return [type(m.core_attention).__name__ for m in model.modules() if isinstance(m, MultiLatentAttention)]
-
-
-def _route_pairs(a: torch.Tensor, b: torch.Tensor) -> tuple:
-    """(tokens whose top-k sets agree in every layer, tokens) of two [T, L, K] route tensors."""
-    sa, sb = a.long().sort(dim=-1).values, b.long().sort(dim=-1).values
-    same = (sa == sb).all(dim=-1).all(dim=-1)
-    return int(same.sum()), int(same.numel())
-
-
-def _routes_values(routes) -> torch.Tensor:
-    return (routes.values() if routes.is_nested else routes).cpu()
+_mla_core_attention_types = lib.mla_core_attention_types
+_route_pairs = lib.route_pairs
+_routes_values = lib.routes_values
 
 
 def _first_route_mismatch(got, want) -> str:
@@ -358,12 +331,7 @@ def cp_task(rank, world, device_kind, dtype_name, size_name, seed, steps, dispat
     # deterministic (atomics in the MoE's unpermute and the embedding), so after the first SGD step
     # the ranks' weights, and a near-tie route, may differ. The CP run is checked against rank 0's.
     own_routes = [r.clone() for r, _, _ in singles]
-    for routes, loss_single, grads_single in singles:
-        dist.broadcast(routes.values().view(torch.uint8), src=0)
-        dist.broadcast(loss_single, src=0)
-        for name in sorted(grads_single):
-            if grads_single[name] is not None:
-                dist.broadcast(grads_single[name], src=0)
+    lib.broadcast_singles(singles)
 
     # CP = 2: the same weights; the single-process routes scattered to this rank's rows.
     lib.init_distributed(cp, device)

@@ -71,18 +71,6 @@ def _run(backend: str, name: str, *args, timeout_s: float = 300.0):
 # Helpers on the ranks (they return numbers; the test asserts).
 
 
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    den, num = float(b.norm()), float((a - b).norm())
-    return 0.0 if num == 0.0 else (num / den if den > 0 else float("inf"))
-
-
-def _grad_report(ours: dict, ref: dict) -> dict:
-    one_sided = sorted(n for n in set(ours) | set(ref) if (ours.get(n) is None) != (ref.get(n) is None))
-    errors = {n: _err(ours[n], ref[n]) for n in ref if ref[n] is not None and ours.get(n) is not None}
-    return {"errors": errors, "one_sided": one_sided, "no_grad": sorted(n for n in ref if ref[n] is None)}
-
-
 def _setup(rank: int):
     torch.set_num_threads(1)
     lib.eager_megatron_fusions()
@@ -97,12 +85,6 @@ def _versions() -> dict:
 
     return {"megatron_core": getattr(megatron.core, "__version__", "?"),
             "transformer_engine": getattr(transformer_engine, "__version__", "?")}
-
-
-def _attention_types(model) -> list:
-    from megatron.core.transformer.multi_latent_attention import MultiLatentAttention
-
-    return [type(m.core_attention).__name__ for m in model.modules() if isinstance(m, MultiLatentAttention)]
 
 
 def _latent_off(model) -> list:
@@ -132,16 +114,6 @@ def _count_latent_calls():
         yield calls
     finally:
         _mla_latent.mla_latent_attention = original
-
-
-def _routes_values(routes) -> torch.Tensor:
-    return (routes.values() if routes.is_nested else routes).cpu()
-
-
-def _route_pairs(a: torch.Tensor, b: torch.Tensor) -> tuple:
-    sa, sb = a.long().sort(dim=-1).values, b.long().sort(dim=-1).values
-    same = (sa == sb).all(dim=-1).all(dim=-1)
-    return int(same.sum()), int(same.numel())
 
 
 def _lengths(rng):
@@ -187,8 +159,8 @@ def steps_task(rank, world, seed, steps):
     te, ours, torch_ref = _single_models(device, cfg, size, seed)
     report = {
         **_versions(),
-        "attention": {"te": _attention_types(te), "verl_ops": _attention_types(ours),
-                      "torch": _attention_types(torch_ref)},
+        "attention": {"te": lib.mla_core_attention_types(te), "verl_ops": lib.mla_core_attention_types(ours),
+                      "torch": lib.mla_core_attention_types(torch_ref)},
         "flash_installed": lib.te_flash_attention_installed(),
         "steps": [],
     }
@@ -229,7 +201,7 @@ def steps_task(rank, world, seed, steps):
             with torch.no_grad():
                 free = lib.forward_backward(ours, batch, our_pack, replay="record", device=device, backward=False)
             free_routes = merge_router_topk_indices(None, batch.input_ids, free.recorded, cfg)
-            entry["free_routing_agree"] = _route_pairs(_routes_values(free_routes), _routes_values(routes))
+            entry["free_routing_agree"] = lib.route_pairs(lib.routes_values(free_routes), lib.routes_values(routes))
         with warnings.catch_warnings(record=True) as caught, _count_latent_calls() as latent_calls:
             warnings.simplefilter("always")
             res, g, _ = _run_path(ours, batch, our_pack, device=device, replay=replay())
@@ -238,9 +210,9 @@ def steps_task(rank, world, seed, steps):
         entry["latent_warnings"] = sorted({str(w.message) for w in caught if "verl_ops:" in str(w.message)})
         for name, (res, g) in runs.items():
             entry["paths"][name] = {
-                "loss_err": _err(res.loss_per_token, got.loss_per_token),
+                "loss_err": lib.rel_err(res.loss_per_token, got.loss_per_token),
                 "finite": bool(torch.isfinite(res.loss_per_token).all()),
-                "grads": _grad_report(g, g_ref),
+                "grads": lib.grad_report(g, g_ref),
             }
         report["steps"].append(entry)
     report["latent_off"] = _latent_off(ours)
@@ -276,13 +248,7 @@ def cp_task(rank, world, seed, steps):
         got, g, _ = _run_path(te1, batch, ref_pack, device=device, replay="record", backend="fused", as_shipped=True)
         routes = merge_router_topk_indices(None, batch.input_ids, got.recorded, cfg1)
         singles.append((routes.clone(), got.loss_per_token, g))
-    # (the single process's backward is not bitwise deterministic on GPUs: rank 0's is the reference)
-    for routes, loss, g in singles:
-        dist.broadcast(routes.values().view(torch.uint8), src=0)
-        dist.broadcast(loss, src=0)
-        for name in sorted(g):
-            if g[name] is not None:
-                dist.broadcast(g[name], src=0)
+    lib.broadcast_singles(singles)  # (rank 0's is the reference)
     del te1
 
     lib.init_distributed(cp, device)
@@ -293,7 +259,7 @@ def cp_task(rank, world, seed, steps):
     ours = lib.build_model(cfg, "verl_ops", size=size, device=device, seed=seed + 5, te=True)
     lib.copy_weights(ours, initial)
     group = parallel_state.get_context_parallel_group()
-    report = {**_versions(), "attention": {"te": _attention_types(te), "verl_ops": _attention_types(ours)},
+    report = {**_versions(), "attention": {"te": lib.mla_core_attention_types(te), "verl_ops": lib.mla_core_attention_types(ours)},
               "steps": []}
     for batch, (routes, loss_single, g_single) in zip(batches, singles):
         targets, _ = set_router_replay_data(routes, None, cfg)
@@ -315,10 +281,10 @@ def cp_task(rank, world, seed, steps):
             model.zero_grad(set_to_none=True)
             entry["paths"][name] = {
                 "selected": dict(seen) if seen is not None else None,
-                "routes_equal": bool(torch.equal(_routes_values(merged), _routes_values(routes))),
-                "loss_err": _err(res.loss_per_token, loss_single),
+                "routes_equal": bool(torch.equal(lib.routes_values(merged), lib.routes_values(routes))),
+                "loss_err": lib.rel_err(res.loss_per_token, loss_single),
                 "finite": bool(torch.isfinite(res.loss_per_token).all()),
-                "grads": _grad_report(g, g_single),
+                "grads": lib.grad_report(g, g_single),
             }
         report["steps"].append(entry)
     return report

@@ -249,12 +249,6 @@ def test_verls_engine_forward_with_the_plugin_equals_without(tmp_path):
             torch.testing.assert_close(ga, gb, rtol=1e-4, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def _rel_norm(a, b) -> float:
-    a, b = a.double(), b.double()
-    den = float(b.norm())
-    return float((a - b).norm()) / den if den > 0 else float((a - b).norm())
-
-
 @pytest.mark.gpu
 def test_verls_engine_forward_on_te_specs_with_the_plugin_gpu(tmp_path):
     """On a GPU with TransformerEngine: verl's own engine forward on the model mbridge builds from
@@ -269,6 +263,9 @@ def test_verls_engine_forward_on_te_specs_with_the_plugin_gpu(tmp_path):
         pytest.skip("needs CUDA")
     import importlib.util
 
+    sys.path.insert(0, HERE)
+    import megatron_model_lib as lib
+
     if importlib.util.find_spec("transformer_engine") is None:
         pytest.skip("needs TransformerEngine (benchmarks/device/te_setup.sh)")
     off_file, on_file = tmp_path / "off.pt", tmp_path / "on.pt"
@@ -276,17 +273,16 @@ def test_verls_engine_forward_on_te_specs_with_the_plugin_gpu(tmp_path):
                  VERL_OPS_ENGINE_OUT=str(off_file))
     on, _ = run("engine_forward", VERL_OPS_ENGINE_DEVICE="cuda", VERL_OPS_ENGINE_OUT=str(on_file),
                 VERL_OPS_ENGINE_REPLAY=str(off_file))
+    a, b = torch.load(on_file), torch.load(off_file)
+    grad_errors = lib.grad_report(a["grads"], b["grads"])["errors"]
     folder = os.environ.get("VERL_OPS_TEST_REPORT_DIR")
     if folder:  # the run's numbers for its notes (step times included: shown, not asserted)
-        a, b = torch.load(on_file), torch.load(off_file)
         summary = {
             name: {k: r[k] for k in ("te", "te_selected", "layers", "lengths", "step_ms", "log_probs_fn")}
             for name, r in (("plugin_on", on), ("plugin_off", off))
         }
-        summary["rel_norm"] = {k: _rel_norm(a[k], b[k]) for k in ("log_probs", "entropy") if a[k].shape == b[k].shape}
-        summary["grad_rel_norm_max"] = max(
-            (_rel_norm(g, b["grads"][n]) for n, g in a["grads"].items() if g is not None and b["grads"][n] is not None),
-            default=None)
+        summary["rel_norm"] = {k: lib.rel_err(a[k], b[k]) for k in ("log_probs", "entropy") if a[k].shape == b[k].shape}
+        summary["grad_rel_norm_max"] = max(grad_errors.values(), default=None)
         os.makedirs(folder, exist_ok=True)
         with open(os.path.join(folder, "verl_engine_forward.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
@@ -296,10 +292,8 @@ def test_verls_engine_forward_on_te_specs_with_the_plugin_gpu(tmp_path):
     assert off["te_selected"] and (off["te_selected"]["flash"] or off["te_selected"]["fused"]), off["te_selected"]
     assert on["log_probs_fn"].startswith("verl_ops."), on["log_probs_fn"]
     assert on["param_sum"] == off["param_sum"], "the two processes built different weights"
-    a, b = torch.load(on_file), torch.load(off_file)
     for key, tol in (("log_probs", 2e-2), ("entropy", 2e-2)):
         assert a[key].shape == b[key].shape, key
-        assert _rel_norm(a[key], b[key]) <= tol, f"{key}: relative difference {_rel_norm(a[key], b[key]):.3g}"
-    bad = {n: round(_rel_norm(g, b["grads"][n]), 4) for n, g in a["grads"].items()
-           if g is not None and b["grads"][n] is not None and _rel_norm(g, b["grads"][n]) > 5e-2}
+        assert lib.rel_err(a[key], b[key]) <= tol, f"{key}: relative difference {lib.rel_err(a[key], b[key]):.3g}"
+    bad = {n: round(e, 4) for n, e in grad_errors.items() if e > 5e-2}
     assert not bad, f"gradients beyond 5e-2 relative: {bad}"

@@ -87,15 +87,20 @@ def _tiny_hf_config(size):
     )
 
 
-def _local_specs(*modules):
+def _local_specs(*modules, core_attention=None):
     """The builders ask for TransformerEngine specs; without TransformerEngine megatron-core cannot
-    make them (NameError: TENorm), so the builders' spec functions make the local ones here."""
+    make them (NameError: TENorm), so the builders' spec functions make the local ones here, with
+    ``core_attention`` (a class) in every MLA slot where given."""
+    import megatron_model_lib as lib
     from megatron.core.models.gpt import gpt_layer_specs as specs
 
     def local(fn):
         def call(*args, **kwargs):
             kwargs["use_transformer_engine"] = False
-            return fn(*args, **kwargs)
+            spec = fn(*args, **kwargs)
+            if core_attention is not None:
+                lib.set_core_attention(spec, core_attention)
+            return spec
 
         return call
 
@@ -249,17 +254,7 @@ def scenario_engine_forward() -> dict:
     dtype = torch.bfloat16 if cuda else torch.float32
     import mbridge.core.llm_bridge as mb_llm
     import mbridge.models.deepseek_v3 as mb_dsv3
-    from megatron.core.models.gpt import gpt_layer_specs as specs
     from megatron.core.transformer.moe.router_replay import RouterReplayAction
-
-    def local_with_stand_in(fn):
-        def call(*args, **kwargs):
-            kwargs["use_transformer_engine"] = False
-            spec = fn(*args, **kwargs)
-            lib.set_core_attention(spec, lib.ReferenceMLACoreAttention)
-            return spec
-
-        return call
 
     if not cuda:
         # (on the CPU of a machine that has TE: megatron-core's router GEMM would take TE's, CUDA only)
@@ -268,10 +263,7 @@ def scenario_engine_forward() -> dict:
         if getattr(moe_utils, "te_general_gemm", None) is not None:
             moe_utils.te_general_gemm = None
     if not te:
-        for mod in (mb_llm, mb_dsv3):
-            for name in ("get_gpt_decoder_block_spec", "get_gpt_mtp_block_spec"):
-                if hasattr(mod, name):
-                    setattr(mod, name, local_with_stand_in(getattr(specs, name)))
+        _local_specs(mb_llm, mb_dsv3, core_attention=lib.ReferenceMLACoreAttention)
     # (MTP off, as verl's engine configures it unless model.mtp.enable: mtp_num_layers None)
     config = lib.make_config(size, dtype=dtype, device=device.type, mtp=False)
     hf_config = _tiny_hf_config(size)

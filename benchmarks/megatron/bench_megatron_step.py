@@ -1253,7 +1253,10 @@ def main(argv=None):
           + (" (CPU: per-sequence SDPA stands in for the flash kernel)" if smoke else ""))
     print("verl_ops path: verl_ops.integrations.verl drop-ins + MLACoreAttention (install(spec)), "
           "V at its native 128")
-    if args.te:
+    fa4, why = fa4_varlen()
+    if smoke:
+        why = "a CPU run (FlashAttention-4 runs on CUDA)"
+    if args.te:  # (TE's flash backend runs FlashAttention-4 where TE finds it)
         if not mml.transformer_engine_available():
             sys.exit("--te: transformer_engine.pytorch does not import here (benchmarks/device/te_setup.sh)")
         import transformer_engine
@@ -1263,11 +1266,6 @@ def main(argv=None):
               f"verl_te_flash / verl_te_fused: verl's pack/unpack and log-probs, TE's TEDotProductAttention with "
               f"NVTE_FLASH_ATTN / NVTE_FUSED_ATTN as attention_backend flash / fused sets them (FlashAttention "
               f"found by TE: {mml.te_flash_attention_installed()}), V as megatron-core hands it")
-    fa4, why = fa4_varlen()
-    if smoke:
-        why = "a CPU run (FlashAttention-4 runs on CUDA)"
-    if args.te:
-        pass  # (TE's flash backend runs FlashAttention-4 where TE finds it)
     elif fa4 is None or smoke:
         args.paths = [p for p in ALL_PATHS if p != FA4_PATH]
         print(f"{FA4_PATH} path: skipped, {why}")
