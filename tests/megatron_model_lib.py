@@ -169,6 +169,27 @@ def megatron_as_shipped():
 
 # TransformerEngine's attention backends, as megatron-core's ``attention_backend`` selects them
 # (``LanguageModule._set_attention_backend``: process-wide environment variables).
+def _logger_warning_once() -> None:
+    """verl 0.9.1's ``preprocess_thd_engine`` calls ``logger.warning_once`` on a plain
+    ``logging.Logger`` (when a sequence is shorter than its CP-padded length). That method exists only
+    once transformers is imported, which adds it to ``logging.Logger``; every verl worker imports
+    transformers. Here it is imported where installed, and otherwise the same one-time warning is
+    added, so that verl's function runs as it does in verl."""
+    import functools
+    import logging
+
+    if hasattr(logging.Logger, "warning_once"):
+        return
+    try:
+        import transformers.utils.logging  # noqa: F401  (adds Logger.warning_once)
+    except Exception:  # noqa: BLE001  (not installed: the GPU machine)
+        pass
+    if not hasattr(logging.Logger, "warning_once"):
+        logging.Logger.warning_once = functools.lru_cache(None)(logging.Logger.warning)
+
+
+_logger_warning_once()
+
 _TE_BACKEND_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 _TE_BACKENDS = {"flash": ("1", "0", "0"), "fused": ("0", "1", "0")}
 

@@ -50,7 +50,8 @@ def run(scenario: str, pythonpath: str | None = None, **env) -> tuple[dict, str]
     if pythonpath:
         full["PYTHONPATH"] = pythonpath + os.pathsep + full.get("PYTHONPATH", "")
     r = subprocess.run(
-        [sys.executable, CHILD, scenario], capture_output=True, text=True, env=full, timeout=600, cwd=HERE
+        [sys.executable, CHILD, scenario], capture_output=True, text=True, errors="replace", env=full, timeout=600,
+        cwd=HERE,
     )
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     assert r.returncode == 0 and lines, f"scenario {scenario} failed (rc {r.returncode}):\n{r.stderr[-4000:]}"

@@ -74,7 +74,13 @@ for f in "$OUT"/memcheck_*.log; do
   # the kinds of error reported (first line of each report, addresses and sizes blanked), counted
   grep -E "^========= [A-Z]" "$f" | grep -v "ERROR SUMMARY" | sed -E 's/0x[0-9a-f]+/X/g; s/[0-9]+ bytes/N bytes/g' | sort | uniq -c | sort -rn | head -15
   grep -E "ERROR SUMMARY|^(FAILED|ERROR) |passed|failed" "$f" | tail -12
+  echo "memory-access errors: $(grep -cE "^========= (Invalid|Misaligned|Out-of-range|Uninitialized|Race)" "$f")," \
+    "CUDA API errors: $(grep -cE "^========= Program hit" "$f")"
   grep -m3 -A8 -E "^========= (Invalid|Misaligned|Out-of-range|Uninitialized|Race)" "$f"
+  # the first CUDA API error with its host backtrace (which library made the call)
+  grep -m1 -A24 -E "^========= Program hit" "$f"
+  # why a test failed (pytest's E lines)
+  grep -m12 -E "^E  " "$f"
 done > "$OUT/memcheck_logs.txt"
 rm -f "$OUT"/memcheck_*.log
 echo "total: $(( $(date +%s) - t0 )) s"

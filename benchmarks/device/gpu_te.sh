@@ -16,6 +16,8 @@
 #   OUT=/some/dir bash benchmarks/device/gpu_te.sh
 #   OUT=/some/dir MCORE=0.19.2 PYTEST_ARGS="-k context_parallel" bash benchmarks/device/gpu_te.sh
 #   OUT=/some/dir MCORE=0.16.1 TE_TESTS=0 bash benchmarks/device/gpu_te.sh     # the verl step alone
+#   PYTEST_ARGS_0_16_1="-k context_parallel": pytest arguments for one version only; TE_PROBE=0 skips
+#   te_probe.py (which cuDNN TE loads, and whether its fused / flash attention runs 192/128 THD)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
@@ -40,13 +42,20 @@ export PYTHONPATH="$PWD:$(cat /tmp/te_site/PYTHONPATH)"
 # path makes every lookup find torch's.
 CUDNN_LIB=$(python3 -c "import os, nvidia.cudnn as m; print(os.path.join(list(m.__path__)[0], 'lib'))" 2>/dev/null) \
   && export LD_LIBRARY_PATH="$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# TE loads libcudnn.so itself before its core library, from CUDNN_HOME first (then CUDA_HOME,
+# /usr/local/cuda, the library path): pointing it at torch's cuDNN makes that one torch's too.
+[ -n "${CUDNN_LIB:-}" ] && export CUDNN_HOME="${CUDNN_HOME:-$(dirname "$CUDNN_LIB")}"
+if [ "${TE_PROBE:-1}" = 1 ]; then
+  python3 benchmarks/device/te_probe.py > "$OUT/te_probe.txt" 2>&1; echo "te_probe rc=$?"
+  grep -E "^(after|env|torch|fused|flash)|Disabling" "$OUT/te_probe.txt" | cut -c1-700 | head -20
+fi
 [ -f /tmp/fa4/PYTHONPATH ] && export PYTHONPATH="$PYTHONPATH:$(cat /tmp/fa4/PYTHONPATH)"
 status=0
 for v in $MCORE; do
   [ "${TE_TESTS:-1}" = 1 ] || break
   t1=$(date +%s)
   PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" VERL_OPS_TEST_REPORT_DIR="$OUT" timeout "${TEST_TIMEOUT:-420}" \
-    python3 -m pytest tests/test_megatron_te.py -q -p no:cacheprovider -rfEs ${PYTEST_ARGS:-} \
+    python3 -m pytest tests/test_megatron_te.py -q -p no:cacheprovider -rfEs ${PYTEST_ARGS:-} $(eval echo "\${PYTEST_ARGS_${v//./_}:-}") \
     > "$OUT/te_tests_$v.log" 2>&1; rc=$?
   echo "megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/te_tests_$v.log" | cut -c1-1500 | tail -8
