@@ -84,7 +84,11 @@ later reshape and lands in other copies), other copies, elementwise / norm, log-
 data path (pack / unpack), other. Backward kernels are grouped by the forward op that made
 their autograd node (the profiler's sequence numbers); a kernel no op launched (FlashAttention-4's
 CuTe DSL launches through the driver) goes by its name: attention, else other. Prints the paths
-side by side and each path's top-10 non-GEMM kernels.
+side by side and each path's top-10 non-GEMM kernels. Where the idle goes
+(``idle_gaps.py``, from the same trace): the gaps between the device's busy intervals, the CUDA
+runtime calls that overlapped them (a synchronisation, a cudaMalloc, a copy to the host), the time
+before the first kernel and after the last, and for the longest gaps the op and ``bench::`` range
+that launched the kernel after each.
 
 Output (at the end, after a few lines per size): the profile tables; a markdown table (size, path,
 step ms median, speedup over verl and over verl_fa4, same results); per size, a markdown table
@@ -123,6 +127,9 @@ import verl_ops  # noqa: E402
 common.use_tests_dir()
 import megatron_model_lib as mml  # noqa: E402  (tests/megatron_model_lib.py: the model builder)
 from common import device_line, sync  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import idle_gaps  # noqa: E402  (where a traced step's GPU idle goes)
 
 PATHS = ("verl", "verl_ops_cat", "verl_ops")
 # The FA3-class peer: verl's path on FlashAttention-4, where flash-attn-4 is importable (CUDA).
@@ -896,7 +903,12 @@ def profile_path(step, batch, path):
             wall_ms = (time.perf_counter() - t0) * 1e3
     cats, top, total, attributed, busy = classify_profile(prof)
     ms = 1e-3
+    try:  # (the table stands without it)
+        idle = idle_gaps.from_profiler(prof, skip=set(_LABELS))
+    except Exception as e:  # noqa: BLE001
+        idle = {"error": f"{type(e).__name__}: {e}"}
     return {
+        "idle": idle,
         "categories_ms": {c: cats.get(c, 0.0) * ms for c in CATEGORIES},
         "kernel_ms_total": total * ms,
         "kernel_ms_attributed": attributed * ms,
@@ -1184,12 +1196,20 @@ def print_step_tables(results, smoke):
                 print(f"- caching allocator, {p}, per timed step: {a['device_allocs'] / reps:.1f} cudaMalloc, "
                       f"{a['device_frees'] / reps:.1f} cudaFree, {a['alloc_retries'] / reps:.1f} retries "
                       "(each a wait for the GPU)")
+        for p in e["paths"]:
+            idle = (profiles.get(p) or {}).get("idle") if not smoke else None
+            if idle and "error" in idle:
+                print(f"- GPU idle of {p}: not analysed ({idle['error']})")
+            elif idle:
+                print("\n".join(idle_gaps.describe(p, idle)))
     print("\nstep (wall): median wall clock between synchronisations. GPU kernel time: the kernels, copies "
           "and memsets of one traced step (torch.profiler over exactly that step), summed. GPU idle: step "
           "(wall) minus the time the GPU was busy in the traced step (the union of those intervals: "
           "overlapping streams count once). host syncs: torch.cuda.set_sync_debug_mode('warn') over one "
           "step, each counted at the source file that made the call (outside torch). attention kernels: "
-          "the attention fwd + bwd kernel time of the traced step.")
+          "the attention fwd + bwd kernel time of the traced step. GPU idle of one traced step: the gaps "
+          "between the device's busy intervals in that step, the host's CUDA calls that overlapped them, and "
+          "the op (and bench:: range) that launched the kernel after each (benchmarks/megatron/idle_gaps.py).")
 
 
 def main(argv=None):
