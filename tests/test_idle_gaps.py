@@ -69,6 +69,15 @@ def test_analyse_names_each_gap_and_its_host_work():
     assert "2 gaps of >= 20 us" in text and "launched by aten::mul in bench::rope" in text
 
 
+def test_backward_ops_go_by_their_autograd_node():
+    # the autograd engine's thread (2): a backward node's range around the op that launches
+    ops = [(0, 100 * US, "autograd::engine::evaluate_function: MulBackward0", 2, 30),
+           (10 * US, 20 * US, "aten::mul", 2, 31)]
+    device = [(0, 1 * US, "k0", 31), (50 * US, 60 * US, "k1", 31)]
+    r = idle_gaps.analyse(device, [], ops, min_gap=20 * US)
+    assert r["largest"][0]["range"] == "MulBackward0" and r["largest"][0]["launched_by"] == "aten::mul"
+
+
 def test_analyse_unknown_launcher_and_empty():
     device, runtime, ops = _timeline()
     device = [(a, b, n, 999) for a, b, n, _ in device]  # launching ops not in the trace

@@ -20,6 +20,8 @@ import re
 
 # CUDA runtime / driver API calls (host side): cudaLaunchKernel, cuLaunchKernelEx, cudaMalloc, ...
 RUNTIME = re.compile(r"^(cuda|cu)[A-Z]")
+# the autograd engine's range around a backward node's ops
+_NODE = "autograd::engine::evaluate_function: "
 
 
 def gaps(device):
@@ -64,7 +66,7 @@ def analyse(device, runtime, ops, *, top=5, min_gap=20_000, label_prefix="bench:
     (gaps of at least ``min_gap`` ns), ``small_gaps_ms`` (the rest), ``head_ms`` / ``tail_ms`` (first
     host op to first kernel, last kernel to last host call), ``host_calls_ms`` (runtime calls'
     overlap with the counted gaps, summed by name), ``by_label_ms`` (gap time by the ``bench::`` range
-    that launched the kernel after it) and ``largest`` (the ``top`` longest gaps, each with where it
+    that launched the kernel after it, or for a backward op the autograd node it ran in) and ``largest`` (the ``top`` longest gaps, each with where it
     begins from the first kernel, the kernel after it, its launching op and range, and the host calls
     and ops in it)."""
     ms = 1e-6
@@ -84,6 +86,8 @@ def analyse(device, runtime, ops, *, top=5, min_gap=20_000, label_prefix="bench:
             return None, None
         chain = _enclosing(ops_by_thread, o[3], o[0])
         label = next((c[2] for c in reversed(chain) if c[2].startswith(label_prefix)), None)
+        if label is None:  # a backward op (the autograd engine's thread): its node
+            label = next((c[2][len(_NODE):] for c in reversed(chain) if c[2].startswith(_NODE)), None)
         return o[2], label
 
     all_gaps = gaps([(s, e, (name, corr)) for s, e, name, corr in device])
@@ -135,11 +139,14 @@ def from_profiler(prof, *, skip=(), top=5, min_gap=20_000):
     for e in prof.profiler.kineto_results.events():
         name = e.name()
         if e.device_type() == DeviceType.CUDA:
-            if e.is_user_annotation() or name in skip or name.startswith("ProfilerStep"):
+            if getattr(e, "is_user_annotation", lambda: False)() or name in skip or name.startswith("ProfilerStep"):
                 continue
             device.append((e.start_ns(), e.end_ns(), name, e.linked_correlation_id()))
         elif e.device_type() == DeviceType.CPU:
-            if RUNTIME.match(name):
+            if getattr(e, "is_hidden_event", lambda: False)():
+                continue
+            # (host events linked to an op are its device calls: runtime / driver API)
+            if e.linked_correlation_id() > 0 or RUNTIME.match(name):
                 runtime.append((e.start_ns(), e.end_ns(), name))
             else:
                 ops.append((e.start_ns(), e.end_ns(), name, e.start_thread_id(), e.correlation_id()))
