@@ -10,7 +10,10 @@
 #               exists (benchmarks/device/fa4_setup.sh); a JSON summary per test in $OUT
 #   verl        where .vb is carried (verl's import-time dependencies as wheels, see below): verl's own
 #               engine forward with the plugin on and off, per version (VERL_ENGINE=0 skips it)
-#   bench       with BENCH_MCORE="0.16.1 ...": bench_megatron_step.py --te at hidden 4096 per version
+#   bench       with BENCH_MCORE="0.16.1 ...": bench_megatron_step.py --te at hidden 4096 per version;
+#               with BENCH_LOCAL_MCORE="0.16.1 ...": the same bench on megatron-core's local specs at
+#               BENCH_LOCAL_SIZES (default "4096 7168")
+#   REUSE       auto (default): a call right after another (within the warm window) reuses its setup
 # Carry: [".te", ".whl", ".cudnn_fe"] (and ".vb" for the verl step).
 #
 #   OUT=/some/dir bash benchmarks/device/gpu_te.sh
@@ -23,6 +26,14 @@ cd "$(dirname "$0")/../.."
 OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
 MCORE="${MCORE:-0.16.1 0.19.2}"
 t0=$(date +%s)
+# A call that follows within the machine's warm window finds the last call's setup (/tmp and the
+# in-place build survive): REUSE=auto (the default) keeps it where every part is there.
+ready=1
+[ -f /tmp/te_site/PYTHONPATH ] && ls verl_ops/_C*.so > /dev/null 2>&1 || ready=0
+for v in $MCORE; do [ -d "/tmp/mcore-$v/megatron" ] || ready=0; done
+if [ "${REUSE:-auto}" = auto ] && [ $ready = 1 ]; then
+  echo "setup: reused (TE in /tmp/te_site, megatron-core in /tmp/mcore-*, verl_ops built in place)"
+else
 ( OUT="$OUT" MAX_JOBS="${TE_JOBS:-12}" bash benchmarks/device/te_setup.sh > "$OUT/te_setup.log" 2>&1
   echo "te_setup rc=$?" >> "$OUT/te_setup.log" ) &
 te_pid=$!
@@ -33,6 +44,7 @@ wait "$te_pid"
 grep -vE "^\s*$" "$OUT/te_setup.log" | tail -8
 grep -q "te_setup rc=0" "$OUT/te_setup.log" || exit 1
 echo "setup: $(( $(date +%s) - t0 )) s"
+fi
 export PYTHONPATH="$PWD:$(cat /tmp/te_site/PYTHONPATH)"
 # TE's core library names every cuDNN library (libcudnn_graph, _heuristic, ...) as a dependency, without
 # a search path: each one not yet loaded is looked up by name, and on this machine that finds the
@@ -88,6 +100,16 @@ for v in ${BENCH_MCORE:-}; do
     --te --sizes 4096 --out "$OUT/step_te_$v.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/step_te_$v.log" 2>&1
   echo "step on TE specs, megatron-core $v: rc=$? [$(( $(date +%s) - t1 )) s]"
   grep -vE "^\s*$" "$OUT/step_te_$v.log" | grep -v Warning | tail -30
+done
+for v in ${BENCH_LOCAL_MCORE:-}; do
+  # the step on megatron-core's local specs (issue 42's table), verl_fa4 included where /tmp/fa4 is
+  for z in ${BENCH_LOCAL_SIZES:-4096 7168}; do
+    t1=$(date +%s)
+    PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/megatron/bench_megatron_step.py \
+      --sizes "$z" --out "$OUT/step_local_${v}_$z.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/step_local_${v}_$z.log" 2>&1
+    echo "step on local specs, megatron-core $v, hidden $z: rc=$? [$(( $(date +%s) - t1 )) s]"
+    grep -vE "^\s*$" "$OUT/step_local_${v}_$z.log" | grep -v Warning | grep -A40 "^## Step time" | head -40
+  done
 done
 echo "total: $(( $(date +%s) - t0 )) s"
 exit $status
