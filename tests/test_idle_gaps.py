@@ -78,6 +78,44 @@ def test_backward_ops_go_by_their_autograd_node():
     assert r["largest"][0]["range"] == "MulBackward0" and r["largest"][0]["launched_by"] == "aten::mul"
 
 
+def test_a_kernel_launched_with_no_op_open_goes_by_its_launch_call():
+    # FlashAttention-4's kernels: launched through the driver inside a range, no aten op open; the
+    # kernel and its cuLaunchKernel share a CUPTI correlation id (77), the call runs on thread 1
+    ops = [(0, 100 * US, "bench::core_attention", 1, 40), (5 * US, 6 * US, "aten::empty", 1, 41)]
+    runtime = [(50 * US, 51 * US, "cuLaunchKernel", 77, 1)]
+    device = [(0, 1 * US, "k0", 41, 5), (60 * US, 70 * US, "flash_fwd", 0, 77)]
+    r = idle_gaps.analyse(device, runtime, ops, min_gap=20 * US)
+    g = r["largest"][0]
+    assert (g["kernel_after"], g["launched_by"], g["range"]) == ("flash_fwd", "cuLaunchKernel", "bench::core_attention")
+    assert g["host_calls_ms"] == pytest.approx({"cuLaunchKernel": 0.001})
+
+
+def test_overlaps_per_window_places_each_event_once():
+    windows = [(10, 20), (30, 40), (50, 60)]
+    ev = [(0, 100, "sync"), (15, 35, "malloc"), (41, 49, "none"), (55, 56, "launch")]
+    got = idle_gaps.overlaps_per_window(ev, windows)
+    assert [dict(c) for c in got] == [{"sync": 10, "malloc": 5}, {"sync": 10, "malloc": 5},
+                                      {"sync": 10, "launch": 1}]
+
+
+def test_a_launch_bound_step():
+    """20,000 kernels, each after a gap, 20,000 launch calls and 40,000 ops: every gap counted and
+    tied to its range. (The analysis places each event by bisection; a scan of every event per gap
+    would take minutes here.)"""
+    n = 20_000
+    ops, runtime, device = [], [], []
+    for i in range(n):
+        t = i * 100 * US
+        ops.append((t, t + 50 * US, "bench::loss", 1, 2 * i + 1))
+        ops.append((t + 10 * US, t + 20 * US, "aten::exp", 1, 2 * i + 2))
+        runtime.append((t + 12 * US, t + 13 * US, "cudaLaunchKernel", 10 ** 6 + i, 1))
+        device.append((t + 40 * US, t + 45 * US, "k", 2 * i + 2, 10 ** 6 + i))
+    r = idle_gaps.analyse(device, runtime, ops, min_gap=20 * US)
+    assert r["n_gaps"] == n - 1 and r["by_label_ms"] == pytest.approx({"bench::loss": (n - 1) * 0.095})
+    assert r["host_calls_ms"] == pytest.approx({"cudaLaunchKernel": (n - 1) * 0.001})
+    assert r["largest"][0]["launched_by"] == "aten::exp"
+
+
 def test_analyse_unknown_launcher_and_empty():
     device, runtime, ops = _timeline()
     device = [(a, b, n, 999) for a, b, n, _ in device]  # launching ops not in the trace

@@ -27,13 +27,15 @@ OUT="${OUT:-./gpu_out}"; mkdir -p "$OUT"
 MCORE="${MCORE:-0.16.1 0.19.2}"
 t0=$(date +%s)
 # A call that follows within the machine's warm window finds the last call's setup (/tmp and the
-# in-place build survive): REUSE=auto (the default) keeps it where every part is there.
-ready=1
-[ -f /tmp/te_site/PYTHONPATH ] && ls verl_ops/_C*.so > /dev/null 2>&1 || ready=0
-for v in $MCORE; do [ -d "/tmp/mcore-$v/megatron" ] || ready=0; done
-if [ "${REUSE:-auto}" = auto ] && [ $ready = 1 ]; then
-  echo "setup: reused (TE in /tmp/te_site, megatron-core in /tmp/mcore-*, verl_ops built in place)"
+# in-place build survive): REUSE=auto (the default) keeps it where it was made from the same
+# sources and carried wheels (a stamp of their contents, written once the setup succeeded).
+stamp=$( { find csrc -type f | sort | xargs sha1sum; sha1sum setup.py .te/* .whl/*; echo "$MCORE"; } 2>/dev/null \
+  | sha1sum | cut -c1-40)
+if [ "${REUSE:-auto}" = auto ] && [ "$(cat /tmp/gpu_te.stamp 2>/dev/null)" = "$stamp" ] \
+   && [ -f /tmp/te_site/PYTHONPATH ] && ls verl_ops/_C*.so > /dev/null 2>&1; then
+  echo "setup: reused (TE in /tmp/te_site, megatron-core in /tmp/mcore-*, verl_ops built in place: same sources)"
 else
+rm -f /tmp/gpu_te.stamp
 ( OUT="$OUT" MAX_JOBS="${TE_JOBS:-12}" bash benchmarks/device/te_setup.sh > "$OUT/te_setup.log" 2>&1
   echo "te_setup rc=$?" >> "$OUT/te_setup.log" ) &
 te_pid=$!
@@ -43,6 +45,7 @@ grep -E "megatron-core|verl_ops " "$OUT/setup.log" | head -4
 wait "$te_pid"
 grep -vE "^\s*$" "$OUT/te_setup.log" | tail -8
 grep -q "te_setup rc=0" "$OUT/te_setup.log" || exit 1
+echo "$stamp" > /tmp/gpu_te.stamp
 echo "setup: $(( $(date +%s) - t0 )) s"
 fi
 export PYTHONPATH="$PWD:$(cat /tmp/te_site/PYTHONPATH)"
@@ -56,18 +59,25 @@ CUDNN_LIB=$(python3 -c "import os, nvidia.cudnn as m; print(os.path.join(list(m.
   && export LD_LIBRARY_PATH="$CUDNN_LIB${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 # TE loads libcudnn.so itself before its core library, from CUDNN_HOME first (then CUDA_HOME,
 # /usr/local/cuda, the library path): pointing it at torch's cuDNN makes that one torch's too.
-[ -n "${CUDNN_LIB:-}" ] && export CUDNN_HOME="${CUDNN_HOME:-$(dirname "$CUDNN_LIB")}"
+if [ -n "${CUDNN_LIB:-}" ]; then
+  [ -n "${CUDNN_HOME:-}" ] && echo "CUDNN_HOME was $CUDNN_HOME: set to torch's cuDNN instead"
+  export CUDNN_HOME="$(dirname "$CUDNN_LIB")"
+fi
+[ -f /tmp/fa4/PYTHONPATH ] && export PYTHONPATH="$PYTHONPATH:$(cat /tmp/fa4/PYTHONPATH)"
 if [ "${TE_PROBE:-1}" = 1 ]; then
   python3 benchmarks/device/te_probe.py > "$OUT/te_probe.txt" 2>&1; echo "te_probe rc=$?"
   grep -E "^(after|env|torch|fused|flash)|Disabling" "$OUT/te_probe.txt" | cut -c1-700 | head -20
 fi
-[ -f /tmp/fa4/PYTHONPATH ] && export PYTHONPATH="$PYTHONPATH:$(cat /tmp/fa4/PYTHONPATH)"
 status=0
+# pytest arguments, as the shell would split them (quotes kept): PYTEST_ARGS for every version,
+# PYTEST_ARGS_<version, "." and "-" as "_"> for one
+args_of() { local var="$1"; eval "ARGS=(${!var:-})"; }
 for v in $MCORE; do
   [ "${TE_TESTS:-1}" = 1 ] || break
   t1=$(date +%s)
+  args_of PYTEST_ARGS; all=(${ARGS[@]+"${ARGS[@]}"}); args_of "PYTEST_ARGS_${v//[.-]/_}"; all+=(${ARGS[@]+"${ARGS[@]}"})
   PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" VERL_OPS_TEST_REPORT_DIR="$OUT" timeout "${TEST_TIMEOUT:-420}" \
-    python3 -m pytest tests/test_megatron_te.py -q -p no:cacheprovider -rfEs ${PYTEST_ARGS:-} $(eval echo "\${PYTEST_ARGS_${v//./_}:-}") \
+    python3 -m pytest tests/test_megatron_te.py -q -p no:cacheprovider -rfEs ${all[@]+"${all[@]}"} \
     > "$OUT/te_tests_$v.log" 2>&1; rc=$?
   echo "megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/te_tests_$v.log" | cut -c1-1500 | tail -8
@@ -97,8 +107,8 @@ for v in ${BENCH_MCORE:-}; do
   # the step on TE's specs: verl's path with TE flash / fused attention against verl_ops
   t1=$(date +%s)
   PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/megatron/bench_megatron_step.py \
-    --te --sizes 4096 --out "$OUT/step_te_$v.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/step_te_$v.log" 2>&1
-  echo "step on TE specs, megatron-core $v: rc=$? [$(( $(date +%s) - t1 )) s]"
+    --te --sizes 4096 --out "$OUT/step_te_$v.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/step_te_$v.log" 2>&1; rc=$?
+  echo "step on TE specs, megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
   grep -vE "^\s*$" "$OUT/step_te_$v.log" | grep -v Warning | tail -30
 done
 for v in ${BENCH_LOCAL_MCORE:-}; do
@@ -106,8 +116,8 @@ for v in ${BENCH_LOCAL_MCORE:-}; do
   for z in ${BENCH_LOCAL_SIZES:-4096 7168}; do
     t1=$(date +%s)
     PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/megatron/bench_megatron_step.py \
-      --sizes "$z" --out "$OUT/step_local_${v}_$z.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/step_local_${v}_$z.log" 2>&1
-    echo "step on local specs, megatron-core $v, hidden $z: rc=$? [$(( $(date +%s) - t1 )) s]"
+      --sizes "$z" --out "$OUT/step_local_${v}_$z.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/step_local_${v}_$z.log" 2>&1; rc=$?
+    echo "step on local specs, megatron-core $v, hidden $z: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
     grep -vE "^\s*$" "$OUT/step_local_${v}_$z.log" | grep -v Warning | grep -A40 "^## Step time" | head -40
   done
 done

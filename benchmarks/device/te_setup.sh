@@ -61,9 +61,13 @@ else
   fi
 fi
 cd "$HERE"
-echo "$DEST" > "$DEST/PYTHONPATH"
+rm -f "$DEST/PYTHONPATH"
 PYTHONPATH="$DEST${PYTHONPATH:+:$PYTHONPATH}" python3 -c "
 import transformer_engine, transformer_engine.pytorch as te, torch
 print('transformer_engine', transformer_engine.__version__, 'torch', torch.__version__)
-" 2>&1 | tail -3
+" > "$DEST.import.log" 2>&1; rc=$?
+tail -3 "$DEST.import.log"
+[ $rc -eq 0 ] || { echo "import transformer_engine.pytorch failed (rc $rc)"; exit 1; }
+# (written only once TE imports: the mark that this site is usable)
+echo "$DEST" > "$DEST/PYTHONPATH"
 echo "PYTHONPATH=$DEST (also in $DEST/PYTHONPATH); total $(( $(date +%s) - t0 )) s"
