@@ -169,27 +169,6 @@ def megatron_as_shipped():
 
 # TransformerEngine's attention backends, as megatron-core's ``attention_backend`` selects them
 # (``LanguageModule._set_attention_backend``: process-wide environment variables).
-def _logger_warning_once() -> None:
-    """verl 0.9.1's ``preprocess_thd_engine`` calls ``logger.warning_once`` on a plain
-    ``logging.Logger`` (when a sequence is shorter than its CP-padded length). That method exists only
-    once transformers is imported, which adds it to ``logging.Logger``; every verl worker imports
-    transformers. Here it is imported where installed, and otherwise the same one-time warning is
-    added, so that verl's function runs as it does in verl."""
-    import functools
-    import logging
-
-    if hasattr(logging.Logger, "warning_once"):
-        return
-    try:
-        import transformers.utils.logging  # noqa: F401  (adds Logger.warning_once)
-    except Exception:  # noqa: BLE001  (not installed: the GPU machine)
-        pass
-    if not hasattr(logging.Logger, "warning_once"):
-        logging.Logger.warning_once = functools.lru_cache(None)(logging.Logger.warning)
-
-
-_logger_warning_once()
-
 _TE_BACKEND_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
 _TE_BACKENDS = {"flash": ("1", "0", "0"), "fused": ("0", "1", "0")}
 
@@ -208,6 +187,21 @@ def te_flash_attention_installed() -> dict:
     from transformer_engine.pytorch.attention.dot_product_attention.utils import FlashAttentionUtils as fa
 
     return {"2": bool(fa.is_installed), "3": bool(fa.v3_is_installed), "4": bool(getattr(fa, "v4_is_installed", False))}
+
+
+def te_selected() -> dict:
+    """What TransformerEngine's ``DotProductAttention`` selected for its last call: ``{"ran": whether a
+    selection is recorded, "flash": backend name or None, "fused": backend name or None, "unfused":
+    bool}``."""
+    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+
+    chosen = dpa._attention_backends
+    return {
+        "ran": chosen["attention_params"] is not None,
+        "flash": str(chosen["flash_attention_backend"]) if chosen["use_flash_attention"] else None,
+        "fused": str(chosen["fused_attention_backend"]) if chosen["use_fused_attention"] else None,
+        "unfused": bool(chosen["use_unfused_attention"]),
+    }
 
 
 @contextlib.contextmanager
@@ -245,11 +239,7 @@ def te_attention(backend: str):
     try:
         yield seen
     finally:
-        chosen = dpa._attention_backends
-        seen["ran"] = chosen["attention_params"] is not None
-        seen["flash"] = str(chosen["flash_attention_backend"]) if chosen["use_flash_attention"] else None
-        seen["fused"] = str(chosen["fused_attention_backend"]) if chosen["use_fused_attention"] else None
-        seen["unfused"] = bool(chosen["use_unfused_attention"])
+        seen.update(te_selected())
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
@@ -702,11 +692,32 @@ class _Setter:
         mapping[key] = value
 
 
+def _logger_warning_once() -> None:
+    """verl 0.9.1's ``preprocess_thd_engine`` calls ``logger.warning_once`` on a plain
+    ``logging.Logger`` (when a sequence is shorter than its CP-padded length). That method exists only
+    once transformers is imported, which adds it to ``logging.Logger``; every verl worker imports
+    transformers. Here it is imported where installed, and otherwise the same one-time warning is
+    added, so that verl's function runs as it does in verl."""
+    import functools
+    import logging
+
+    if hasattr(logging.Logger, "warning_once"):
+        return
+    try:
+        import transformers.utils.logging  # noqa: F401  (adds Logger.warning_once)
+    except Exception:  # noqa: BLE001  (not installed: the GPU machine)
+        pass
+    if not hasattr(logging.Logger, "warning_once"):
+        logging.Logger.warning_once = functools.lru_cache(None)(logging.Logger.warning)
+
+
 def verl_pack(monkeypatch=None) -> PackFns:
     """verl's own ``preprocess_thd_engine`` / ``postprocess_thd_engine`` (the installed verl's
     ``verl/models/mcore/util.py``, loaded without verl's heavy imports; see tests/verl_stubs.py).
     Raises LookupError when verl is not installed."""
     import verl_stubs
+
+    _logger_warning_once()
 
     util = verl_stubs.load_verl_util(monkeypatch if monkeypatch is not None else _Setter())
     return PackFns("verl", util.preprocess_thd_engine, util.postprocess_thd_engine)

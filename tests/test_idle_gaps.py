@@ -21,7 +21,7 @@ def test_gaps_of_the_union_only():
 
 def test_overlap_by_name():
     ev = [(0, 10, "cudaMalloc"), (8, 30, "cudaStreamSynchronize"), (40, 50, "cudaMalloc")]
-    assert dict(idle_gaps.overlap_by_name(ev, 5, 45)) == {"cudaMalloc": 5 + 5, "cudaStreamSynchronize": 22}
+    assert dict(idle_gaps.overlaps_per_window(ev, [(5, 45)])[0]) == {"cudaMalloc": 5 + 5, "cudaStreamSynchronize": 22}
 
 
 def _timeline():

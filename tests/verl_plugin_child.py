@@ -344,11 +344,7 @@ def scenario_engine_forward() -> dict:
     selected = None
     lp, ent, lp_v, routes = step(record=True)
     if te:
-        from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
-
-        chosen = dpa._attention_backends
-        selected = {"flash": str(chosen["flash_attention_backend"]) if chosen["use_flash_attention"] else None,
-                    "fused": str(chosen["fused_attention_backend"]) if chosen["use_fused_attention"] else None}
+        selected = lib.te_selected()
     path = os.environ["VERL_OPS_ENGINE_OUT"]
     torch.save({
         "log_probs": lp_v.detach().float().cpu(), "entropy": (ent.values() if ent.is_nested else ent).detach().float().cpu(),

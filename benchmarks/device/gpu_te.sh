@@ -103,23 +103,20 @@ if [ -d .vb ] && [ "${VERL_ENGINE:-1}" = 1 ]; then
     grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/verl_engine_$v.log" | cut -c1-1500 | tail -6
   done
 fi
-for v in ${BENCH_MCORE:-}; do
-  # the step on TE's specs: verl's path with TE flash / fused attention against verl_ops
-  t1=$(date +%s)
+# One bench_megatron_step.py run under megatron-core VERSION: bench NAME VERSION ARGS... (its log and
+# JSON: $OUT/NAME.log / .json; the tables from "## Step time" on are printed)
+bench() {
+  local name="$1" v="$2" t1 rc; shift 2; t1=$(date +%s)
   PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/megatron/bench_megatron_step.py \
-    --te --sizes 4096 --out "$OUT/step_te_$v.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/step_te_$v.log" 2>&1; rc=$?
-  echo "step on TE specs, megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
-  grep -vE "^\s*$" "$OUT/step_te_$v.log" | grep -v Warning | tail -30
-done
+    "$@" --out "$OUT/$name.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/$name.log" 2>&1; rc=$?
+  echo "$name (megatron-core $v): rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
+  grep -vE "^\s*$" "$OUT/$name.log" | grep -v Warning | grep -A60 "^## Step time" | head -60
+}
+# the step on TE's specs: verl's path with TE flash / fused attention against verl_ops
+for v in ${BENCH_MCORE:-}; do bench "step_te_$v" "$v" --te --sizes 4096; done
+# the step on megatron-core's local specs (issue 42's table), verl_fa4 included where /tmp/fa4 is
 for v in ${BENCH_LOCAL_MCORE:-}; do
-  # the step on megatron-core's local specs (issue 42's table), verl_fa4 included where /tmp/fa4 is
-  for z in ${BENCH_LOCAL_SIZES:-4096 7168}; do
-    t1=$(date +%s)
-    PYTHONPATH="/tmp/mcore-$v:$PYTHONPATH" timeout "${BENCH_TIMEOUT:-240}" python3 benchmarks/megatron/bench_megatron_step.py \
-      --sizes "$z" --out "$OUT/step_local_${v}_$z.json" ${BENCH_ARGS:---reps 5 --warmup 2} > "$OUT/step_local_${v}_$z.log" 2>&1; rc=$?
-    echo "step on local specs, megatron-core $v, hidden $z: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
-    grep -vE "^\s*$" "$OUT/step_local_${v}_$z.log" | grep -v Warning | grep -A40 "^## Step time" | head -40
-  done
+  for z in ${BENCH_LOCAL_SIZES:-4096 7168}; do bench "step_local_${v}_$z" "$v" --sizes "$z"; done
 done
 echo "total: $(( $(date +%s) - t0 )) s"
 exit $status

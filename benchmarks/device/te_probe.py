@@ -21,6 +21,9 @@ import verl_ops  # noqa: E402,F401
 print("after import verl_ops:", cudnn_maps())
 import transformer_engine.pytorch as te  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "tests"))
+import megatron_model_lib as lib  # noqa: E402  (te_attention: TE's backend as megatron-core selects it)
+
 print("after import transformer_engine.pytorch:", cudnn_maps())
 print("env: CUDA_HOME", os.environ.get("CUDA_HOME"), "CUDNN_HOME", os.environ.get("CUDNN_HOME"),
       "LD_LIBRARY_PATH", os.environ.get("LD_LIBRARY_PATH"))
@@ -30,26 +33,18 @@ cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).cu
 t, h = sum(lengths), 8
 ok = True
 for backend in ("fused", "flash"):
-    os.environ["NVTE_FUSED_ATTN"] = "1" if backend == "fused" else "0"
-    os.environ["NVTE_FLASH_ATTN"] = "1" if backend == "flash" else "0"
-    os.environ["NVTE_UNFUSED_ATTN"] = "0"
-    try:
-        from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa_mod
-
-        dpa_mod._attention_backends.update(attention_params=None, backend_selection_requires_update=True)
-        getattr(dpa_mod, "_thd_policy_backend_cache", {}).clear()
-    except Exception as e:  # noqa: BLE001
-        print("could not reset TE's backend cache:", e)
     dpa = te.DotProductAttention(h, kv_channels=(192, 128), qkv_format="thd", attn_mask_type="padding_causal")
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(t, h, 192, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     k = torch.randn(t, h, 192, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     v = torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     try:
-        out = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
-        out.float().square().sum().backward()
-        torch.cuda.synchronize()
-        print(f"{backend}: ran, out {tuple(out.shape)}, dq norm {q.grad.float().norm().item():.4g}")
+        # (the backend set as megatron-core's attention_backend sets it, TE's cached selection dropped)
+        with lib.te_attention(backend) as seen:
+            out = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+            out.float().square().sum().backward()
+            torch.cuda.synchronize()
+        print(f"{backend}: ran {seen}, out {tuple(out.shape)}, dq norm {q.grad.float().norm().item():.4g}")
     except Exception as e:  # noqa: BLE001
         ok = ok and backend != "fused"
         print(f"{backend}: {type(e).__name__}: {str(e)[:600]}")

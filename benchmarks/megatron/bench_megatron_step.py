@@ -106,7 +106,6 @@ import contextlib
 import datetime
 import functools
 import json
-import logging
 import math
 import os
 import random
@@ -341,8 +340,6 @@ class Batch:
 def load_verl_pack():
     """verl 0.9.1's own functions (``verl/models/mcore/util.py`` of the installed verl, loaded
     without verl's heavy imports: tests/verl_stubs.py)."""
-    if not hasattr(logging.Logger, "warning_once"):  # transformers adds it; verl calls it
-        logging.Logger.warning_once = logging.Logger.warning
     return mml.verl_pack()
 
 

@@ -93,11 +93,6 @@ def gaps(device):
     return out
 
 
-def overlap_by_name(events, start, end):
-    """``events``: ``[(start, end, name)]``. {name: summed overlap with [start, end]}."""
-    return overlaps_per_window(events, [(start, end)])[0]
-
-
 def overlaps_per_window(events, windows):
     """``windows``: disjoint ``[(start, end)]`` in time order. For each window, {name: summed overlap}
     of ``events`` (``[(start, end, name, ...)]``) with it; each event is placed by bisection, so the
