@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import functools
 import math
 import os
 import random
@@ -204,22 +205,80 @@ def te_selected() -> dict:
     }
 
 
+def _fa4_window(window_size):
+    """TE's window (a side of -1: unbounded) as FlashAttention-4 reads it (``None``: unbounded)."""
+    if window_size is None:
+        return None
+    return tuple(None if (w is not None and w < 0) else w for w in window_size)
+
+
 @contextlib.contextmanager
-def te_attention(backend: str):
+def te_fa4_window_fix():
+    """Inside: TransformerEngine's calls into FlashAttention-4 get an unbounded window side as
+    ``None`` instead of ``-1``.
+
+    TE (2.20.2 and earlier 2.x) normalises a causal mask's window to ``(-1, 0)`` and hands it to
+    FA4 unchanged. FA4 >= 4.0.0b3x (flash-attention #2490) widens a window to full attention only
+    when both sides are negative, so ``(-1, 0)`` becomes the band ``[row + 1, row]``: empty. Every
+    row is masked, and TE's flash attention on FA4 returns zeros and zero gradients, silently
+    (TransformerEngine #3528; the fix in TE is #3532, which does what this does). FlashAttention 2
+    and 3 take ``-1`` as meant. Yields whether FA4's entry points were found in TE and wrapped."""
+    try:
+        from transformer_engine.pytorch.attention.dot_product_attention import backends
+    except Exception:  # noqa: BLE001  (no TE: nothing to wrap)
+        yield False
+        return
+    names = [n for n in ("flash_attn_func_v4", "flash_attn_varlen_func_v4") if getattr(backends, n, None) is not None]
+    saved = {n: getattr(backends, n) for n in names}
+
+    def wrap(func):
+        @functools.wraps(func)
+        def call(*args, window_size=None, **kwargs):
+            if window_size is not None:
+                kwargs["window_size"] = _fa4_window(window_size)
+            return func(*args, **kwargs)
+
+        return call
+
+    for n in names:
+        setattr(backends, n, wrap(saved[n]))
+    try:
+        yield bool(names)
+    finally:
+        for n, f in saved.items():
+            setattr(backends, n, f)
+
+
+@contextlib.contextmanager
+def te_attention(backend: str, *, fa4_window_fix: bool = True):
     """Inside: TransformerEngine's ``DotProductAttention`` runs ``backend`` (``"flash"``: FlashAttention,
     whichever version TE finds; ``"fused"``: cuDNN), set the way megatron-core's
     ``attention_backend: flash / fused`` sets it (NVTE_FLASH_ATTN / NVTE_FUSED_ATTN /
     NVTE_UNFUSED_ATTN), with TE's cached backend selection dropped on entry and on exit. Models are
     built outside (with ``attention_backend`` auto, which leaves the variables at 1); a forward and
-    its backward run inside.
+    its backward run inside. Under ``"flash"``, TE's window for FlashAttention-4 is corrected as
+    ``te_fa4_window_fix`` says (``fa4_window_fix=False``: TE as shipped, which on FA4 >= 4.0.0b3x
+    attends to nothing under a causal mask).
 
     Yields a dict that holds, on exit, what TE selected for its last attention call inside:
     ``{"ran": whether TE selected a backend inside, "flash": backend name or None, "fused": backend
-    name or None, "unfused": bool}``."""
-    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
-
+    name or None, "unfused": bool, "fa4_window_fix": whether FA4's window was corrected}``."""
     if backend not in _TE_BACKENDS:
         raise ValueError(f"te_attention: backend must be one of {sorted(_TE_BACKENDS)}, got {backend!r}")
+    if backend == "flash" and fa4_window_fix:
+        with te_fa4_window_fix() as fixed, _te_attention(backend) as seen:
+            seen["fa4_window_fix"] = fixed
+            yield seen
+    else:
+        with _te_attention(backend) as seen:
+            seen["fa4_window_fix"] = False
+            yield seen
+
+
+@contextlib.contextmanager
+def _te_attention(backend: str):
+    from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
+
 
     def reset():
         # (the last selection's flags too: what is read on exit must come from a call inside)

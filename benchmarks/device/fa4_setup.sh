@@ -51,7 +51,7 @@ need = ["flash_attn_4-", "nvidia_cutlass_dsl-", "nvidia_cutlass_dsl_libs_base-",
 have = os.listdir(parts_dir)
 split = sorted(glob.glob(os.path.join(parts_dir, "*.part_*")))
 missing = [n for n in need if not any(h.startswith(n) and h.endswith(".whl") for h in have)]
-if len(split) < 2 and not any(h.startswith("nvidia_cutlass_dsl_libs_cu13-") for h in have):
+if len(split) < 2 and not any(h.startswith("nvidia_cutlass_dsl_libs_cu13-") and h.endswith(".whl") for h in have):
     missing.append("the two parts of nvidia_cutlass_dsl_libs_cu13 (*.part_aa, *.part_ab)")
 if missing:
     print("fa4_setup: waiting for more files (run again with the other folder):", missing)

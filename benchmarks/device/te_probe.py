@@ -32,7 +32,11 @@ lengths = [700, 33, 1200, 5, 400]
 cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).cuda()
 t, h = sum(lengths), 8
 ok = True
-for backend in ("fused", "flash"):
+ref = None
+# TE's flash attention twice: as shipped (on FlashAttention-4 >= 4.0.0b3x TE's causal window (-1, 0)
+# masks every row: zeros, TransformerEngine #3528) and with megatron_model_lib.te_fa4_window_fix
+for backend, fix in (("fused", False), ("flash", False), ("flash", True)):
+    name = backend + (" (FA4 window fixed)" if fix else "")
     dpa = te.DotProductAttention(h, kv_channels=(192, 128), qkv_format="thd", attn_mask_type="padding_causal")
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(t, h, 192, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -40,13 +44,20 @@ for backend in ("fused", "flash"):
     v = torch.randn(t, h, 128, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     try:
         # (the backend set as megatron-core's attention_backend sets it, TE's cached selection dropped)
-        with lib.te_attention(backend) as seen:
+        with lib.te_attention(backend, fa4_window_fix=fix) as seen:
             out = dpa(q, k, v, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
             out.float().square().sum().backward()
             torch.cuda.synchronize()
-        print(f"{backend}: ran {seen}, out {tuple(out.shape)}, dq norm {q.grad.float().norm().item():.4g}")
+        got = [x.detach().float() for x in (out, q.grad, k.grad, v.grad)]
+        line = f"{name}: ran {seen}, out {tuple(out.shape)}, dq norm {got[1].norm().item():.4g}"
+        if ref is None:
+            ref = got
+        else:
+            errs = [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, ref)]
+            line += ", relative error against fused: out {:.3g}, dq {:.3g}, dk {:.3g}, dv {:.3g}".format(*errs)
+        print(line)
     except Exception as e:  # noqa: BLE001
         ok = ok and backend != "fused"
-        print(f"{backend}: {type(e).__name__}: {str(e)[:600]}")
-    print(f"after {backend}:", cudnn_maps())
+        print(f"{name}: {type(e).__name__}: {str(e)[:600]}")
+    print(f"after {name}:", cudnn_maps())
 sys.exit(0 if ok else 1)

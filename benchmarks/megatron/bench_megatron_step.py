@@ -51,9 +51,11 @@ after the model is built, and printed):
   --te      the model from TransformerEngine's layer specs (``use_transformer_engine=True``, what
             verl builds) and, instead of verl_fa4, verl's path on TE's own ``TEDotProductAttention``
             as verl configures it: ``verl_te_flash`` (``attention_backend: flash``: whichever
-            FlashAttention TE finds, FlashAttention-4 where flash-attn-4 is installed) and
-            ``verl_te_fused`` (``fused``: cuDNN), V as megatron-core hands it (padded to 192 by
-            MultiLatentAttention itself on >= 0.18, native 128 before)
+            FlashAttention TE finds, FlashAttention-4 where flash-attn-4 is installed, with TE's
+            causal window handed to FA4 as FA4 reads it: ``tests/megatron_model_lib.te_fa4_window_fix``;
+            as shipped, TE 2.20.2 on FA4 4.0.0b36 attends to nothing) and ``verl_te_fused``
+            (``fused``: cuDNN), V as megatron-core hands it (padded to 192 by MultiLatentAttention
+            itself on >= 0.18, native 128 before)
 Every path runs with ``verl_ops.integrations.megatron_compat.patch_megatron_core()`` applied: without
 it megatron-core's MLA and MoE layers do not run without TransformerEngine.
 
@@ -1282,7 +1284,8 @@ def main(argv=None):
         print(f"TransformerEngine {transformer_engine.__version__}: the model from its layer specs; "
               f"verl_te_flash / verl_te_fused: verl's pack/unpack and log-probs, TE's TEDotProductAttention with "
               f"NVTE_FLASH_ATTN / NVTE_FUSED_ATTN as attention_backend flash / fused sets them (FlashAttention "
-              f"found by TE: {mml.te_flash_attention_installed()}), V as megatron-core hands it")
+              f"found by TE: {mml.te_flash_attention_installed()}; on FlashAttention-4 TE's causal window (-1, 0) "
+              f"is handed over as (None, 0), TransformerEngine #3528), V as megatron-core hands it")
     elif fa4 is None or smoke:
         args.paths = [p for p in ALL_PATHS if p != FA4_PATH]
         print(f"{FA4_PATH} path: skipped, {why}")
