@@ -130,6 +130,7 @@ import megatron_model_lib as mml  # noqa: E402  (tests/megatron_model_lib.py: th
 from common import device_line, sync  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_clocks  # noqa: E402  (the GPU's clock and power during each path's timed steps)
 import idle_gaps  # noqa: E402  (where a traced step's GPU idle goes)
 
 PATHS = ("verl", "verl_ops_cat", "verl_ops")
@@ -542,6 +543,8 @@ def time_paths(step, batches, paths, reps, warmup, device):
         m = torch.cuda.memory_stats(device)
         return (m.get("num_device_alloc", 0), m.get("num_device_free", 0), m.get("num_alloc_retries", 0))
 
+    # the GPU's SM clock / power during each path's timed steps (NVML; absent on the CPU)
+    clocks = gpu_clocks.ClockSampler(device).start() if device.type == "cuda" else None
     for r in range(reps):
         order = paths if r % 2 == 0 else paths[::-1]
         for path in order:
@@ -557,14 +560,22 @@ def time_paths(step, batches, paths, reps, warmup, device):
             if device.type == "cuda":
                 e1.record()
             sync(device)
-            wall[path].append((time.perf_counter() - t0) * 1e3)
+            t1 = time.perf_counter()
+            wall[path].append((t1 - t0) * 1e3)
+            if clocks is not None:
+                clocks.window(path, t0, t1)
             for key, b, a in zip(alloc[path], before, allocator_counts()):
                 alloc[path][key] += a - b
             if device.type == "cuda":
                 events[path].append(e0.elapsed_time(e1))
+    clock_summary = {}
+    if clocks is not None:
+        clocks.stop()
+        clock_summary = clocks.summary() if clocks.ok else {}
     out = {}
     for p in paths:
         out[p] = {
+            "clocks": clock_summary.get(p),
             "wall_ms": statistics.median(wall[p]),
             "wall_ms_all": wall[p],
             "event_ms": statistics.median(events[p]) if events[p] else None,
@@ -1195,6 +1206,14 @@ def print_step_tables(results, smoke):
                 print(f"- caching allocator, {p}, per timed step: {a['device_allocs'] / reps:.1f} cudaMalloc, "
                       f"{a['device_frees'] / reps:.1f} cudaFree, {a['alloc_retries'] / reps:.1f} retries "
                       "(each a wait for the GPU)")
+        clock = {p: e["times"][p].get("clocks") for p in e["paths"]}
+        if any(c and c.get("samples") for c in clock.values()):
+            print("- GPU during the timed steps (NVML, sampled every 5 ms; mean SM clock, lowest, power, "
+                  "temperature): " + "; ".join(
+                      f"{p} {c['sm_mhz']:.0f} MHz (min {c['sm_mhz_min']}), "
+                      + (f"{c['power_w']:.0f} W" if c.get("power_w") is not None else "- W")
+                      + (f", {c['temp_c']:.0f} C" if c.get("temp_c") is not None else "")
+                      for p, c in clock.items() if c and c.get("samples")))
         for p in e["paths"]:
             idle = (profiles.get(p) or {}).get("idle") if not smoke else None
             if idle and "error" in idle:
