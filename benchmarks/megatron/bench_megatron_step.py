@@ -90,7 +90,10 @@ side by side and each path's top-10 non-GEMM kernels. Where the idle goes
 (``idle_gaps.py``, from the same trace): the gaps between the device's busy intervals, the CUDA
 runtime calls that overlapped them (a synchronisation, a cudaMalloc, a copy to the host), the time
 before the first kernel and after the last, and for the longest gaps the op and ``bench::`` range
-that launched the kernel after each.
+that launched the kernel after each. On a GPU with NVML (``gpu_clocks.py``): the SM clock, power and
+temperature sampled every 5 ms during each path's timed steps. A GPU at its power limit lowers its
+clock as the step gets denser, so the same GEMMs run slower on a faster path: the clock column says
+when a kernel-time difference is the clock's.
 
 Output (at the end, after a few lines per size): the profile tables; a markdown table (size, path,
 step ms median, speedup over verl and over verl_fa4, same results); per size, a markdown table
