@@ -217,8 +217,8 @@ def te_fa4_window_fix():
     """Inside: TransformerEngine's calls into FlashAttention-4 get an unbounded window side as
     ``None`` instead of ``-1``.
 
-    TE (2.20.2 and earlier 2.x) normalises a causal mask's window to ``(-1, 0)`` and hands it to
-    FA4 unchanged. FA4 >= 4.0.0b3x (flash-attention #2490) widens a window to full attention only
+    TE 2.20.2 normalises a causal mask's window to ``(-1, 0)`` and hands it to FA4 unchanged. FA4
+    with flash-attention #2490 (4.0.0b36 has it) widens a window to full attention only
     when both sides are negative, so ``(-1, 0)`` becomes the band ``[row + 1, row]``: empty. Every
     row is masked, and TE's flash attention on FA4 returns zeros and zero gradients, silently
     (TransformerEngine #3528; the fix in TE is #3532, which does what this does). FlashAttention 2
@@ -257,7 +257,7 @@ def te_attention(backend: str, *, fa4_window_fix: bool = True):
     NVTE_UNFUSED_ATTN), with TE's cached backend selection dropped on entry and on exit. Models are
     built outside (with ``attention_backend`` auto, which leaves the variables at 1); a forward and
     its backward run inside. Under ``"flash"``, TE's window for FlashAttention-4 is corrected as
-    ``te_fa4_window_fix`` says (``fa4_window_fix=False``: TE as shipped, which on FA4 >= 4.0.0b3x
+    ``te_fa4_window_fix`` says (``fa4_window_fix=False``: TE as shipped, which on FA4 4.0.0b36
     attends to nothing under a causal mask).
 
     Yields a dict that holds, on exit, what TE selected for its last attention call inside:

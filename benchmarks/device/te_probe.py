@@ -33,7 +33,7 @@ cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32).cu
 t, h = sum(lengths), 8
 ok = True
 ref = None
-# TE's flash attention twice: as shipped (on FlashAttention-4 >= 4.0.0b3x TE's causal window (-1, 0)
+# TE's flash attention twice: as shipped (on FlashAttention-4 4.0.0b36 TE's causal window (-1, 0)
 # masks every row: zeros, TransformerEngine #3528) and with megatron_model_lib.te_fa4_window_fix
 for backend, fix in (("fused", False), ("flash", False), ("flash", True)):
     name = backend + (" (FA4 window fixed)" if fix else "")
