@@ -222,7 +222,9 @@ def te_fa4_window_fix():
     when both sides are negative, so ``(-1, 0)`` becomes the band ``[row + 1, row]``: empty. Every
     row is masked, and TE's flash attention on FA4 returns zeros and zero gradients, silently
     (TransformerEngine #3528; the fix in TE is #3532, which does what this does). FlashAttention 2
-    and 3 take ``-1`` as meant. Yields whether FA4's entry points were found in TE and wrapped."""
+    and 3 take ``-1`` as meant. Yields whether FA4's entry points were found in TE and wrapped.
+    TE's context-parallel path calls FA4's ``_flash_attn_fwd`` / ``_bwd`` with the same ``-1``
+    (``window_size_left``) and is not wrapped here: TE's CP on FA4 is not run by these tests."""
     try:
         from transformer_engine.pytorch.attention.dot_product_attention import backends
     except Exception:  # noqa: BLE001  (no TE: nothing to wrap)

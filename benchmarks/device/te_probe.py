@@ -50,11 +50,15 @@ for backend, fix in (("fused", False), ("flash", False), ("flash", True)):
             torch.cuda.synchronize()
         got = [x.detach().float() for x in (out, q.grad, k.grad, v.grad)]
         line = f"{name}: ran {seen}, out {tuple(out.shape)}, dq norm {got[1].norm().item():.4g}"
-        if ref is None:
+        if backend == "fused":
             ref = got
-        else:
+        elif ref is not None:
             errs = [((a - b).norm() / b.norm().clamp_min(1e-30)).item() for a, b in zip(got, ref)]
             line += ", relative error against fused: out {:.3g}, dq {:.3g}, dk {:.3g}, dv {:.3g}".format(*errs)
+            # the corrected FA4 path must agree with cuDNN (measured: about 3e-3)
+            if fix and seen.get("fa4_window_fix") and max(errs) > 2e-2:
+                ok = False
+                line += " -> DISAGREES"
         print(line)
     except Exception as e:  # noqa: BLE001
         ok = ok and backend != "fused"

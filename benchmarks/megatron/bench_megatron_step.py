@@ -90,8 +90,8 @@ side by side and each path's top-10 non-GEMM kernels. Where the idle goes
 (``idle_gaps.py``, from the same trace): the gaps between the device's busy intervals, the CUDA
 runtime calls that overlapped them (a synchronisation, a cudaMalloc, a copy to the host), the time
 before the first kernel and after the last, and for the longest gaps the op and ``bench::`` range
-that launched the kernel after each. On a GPU with NVML (``gpu_clocks.py``): the SM clock, power and
-temperature sampled every 5 ms during each path's timed steps. A GPU at its power limit lowers its
+that launched the kernel after each. On a GPU with NVML (``gpu_clocks.py``): the SM clock, the
+energy counter and the temperature sampled every 5 ms during each path's timed steps. A GPU at its power limit lowers its
 clock as the step gets denser, so the same GEMMs run slower on a faster path: the clock column says
 when a kernel-time difference is the clock's.
 
@@ -546,39 +546,40 @@ def time_paths(step, batches, paths, reps, warmup, device):
         m = torch.cuda.memory_stats(device)
         return (m.get("num_device_alloc", 0), m.get("num_device_free", 0), m.get("num_alloc_retries", 0))
 
-    # the GPU's SM clock / power during each path's timed steps (NVML; absent on the CPU)
+    # the GPU's SM clock / energy during each path's timed steps (NVML; absent on the CPU)
     clocks = gpu_clocks.ClockSampler(device).start() if device.type == "cuda" else None
-    for r in range(reps):
-        order = paths if r % 2 == 0 else paths[::-1]
-        for path in order:
-            step.use(path)
-            model.zero_grad(set_to_none=True)
-            sync(device)
-            if device.type == "cuda":
-                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                e0.record()
-            before = allocator_counts()
-            t0 = time.perf_counter()
-            step(batches[r % len(batches)])
-            if device.type == "cuda":
-                e1.record()
-            sync(device)
-            t1 = time.perf_counter()
-            wall[path].append((t1 - t0) * 1e3)
-            if clocks is not None:
-                clocks.window(path, t0, t1)
-            for key, b, a in zip(alloc[path], before, allocator_counts()):
-                alloc[path][key] += a - b
-            if device.type == "cuda":
-                events[path].append(e0.elapsed_time(e1))
-    clock_summary = {}
-    if clocks is not None:
-        clocks.stop()
-        clock_summary = clocks.summary() if clocks.ok else {}
+    try:
+        for r in range(reps):
+            order = paths if r % 2 == 0 else paths[::-1]
+            for path in order:
+                step.use(path)
+                model.zero_grad(set_to_none=True)
+                sync(device)
+                if device.type == "cuda":
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                before = allocator_counts()
+                t0 = time.perf_counter()
+                step(batches[r % len(batches)])
+                if device.type == "cuda":
+                    e1.record()
+                sync(device)
+                t1 = time.perf_counter()
+                wall[path].append((t1 - t0) * 1e3)
+                if clocks is not None:
+                    clocks.window(path, t0, t1)
+                for key, b, a in zip(alloc[path], before, allocator_counts()):
+                    alloc[path][key] += a - b
+                if device.type == "cuda":
+                    events[path].append(e0.elapsed_time(e1))
+    finally:
+        if clocks is not None:
+            clocks.stop()
+    clock_summary = clocks.summary() if clocks is not None and clocks.ok else {}
     out = {}
     for p in paths:
         out[p] = {
-            "clocks": clock_summary.get(p),
+            "clocks": ({**clock_summary[p], **clock_summary["_device"]} if p in clock_summary else None),
             "wall_ms": statistics.median(wall[p]),
             "wall_ms_all": wall[p],
             "event_ms": statistics.median(events[p]) if events[p] else None,
@@ -1211,10 +1212,14 @@ def print_step_tables(results, smoke):
                       "(each a wait for the GPU)")
         clock = {p: e["times"][p].get("clocks") for p in e["paths"]}
         if any(c and c.get("samples") for c in clock.values()):
-            print("- GPU during the timed steps (NVML, sampled every 5 ms; mean SM clock, lowest, power, "
+            top = next((c.get("sm_mhz_max") for c in clock.values() if c and c.get("sm_mhz_max")), None)
+            print("- GPU during the timed steps (NVML, sampled every 5 ms"
+                  + (f"; SM clock at most {top} MHz" if top else "")
+                  + "; mean SM clock, lowest, mean power and energy per step from the energy counter, "
                   "temperature): " + "; ".join(
                       f"{p} {c['sm_mhz']:.0f} MHz (min {c['sm_mhz_min']}), "
                       + (f"{c['power_w']:.0f} W" if c.get("power_w") is not None else "- W")
+                      + (f", {c['energy_j']:.0f} J" if c.get("energy_j") is not None else "")
                       + (f", {c['temp_c']:.0f} C" if c.get("temp_c") is not None else "")
                       for p, c in clock.items() if c and c.get("samples")))
         for p in e["paths"]:
