@@ -6,6 +6,7 @@
 #   .fa4_a/_b   FlashAttention-4 4.0.0b36 and its wheels, the 92 MB cutlass-dsl   ~48 / 51 MB  fa4_setup.sh (two calls)
 #               libs-cu13 wheel split in two parts (one per folder)
 #   .te         TransformerEngine 2.20.2 (benchmarks/device/te_prepare.py)        ~41 MB  te_setup.sh, gpu_te.sh
+# .vb (verl's import-time dependencies for gpu_te.sh's verl step) is made by prepare_vb.sh.
 # A folder that exists is kept (delete it to remake it). Each call carries at most 64 MiB with the
 # tree (~4.5 MB), hence the split: see fa4_setup.sh and gpu_te.sh for which call carries what.
 # (te_setup.sh builds TE's PyTorch extension on the GPU machine, ~105 s; with TE_SO_OUT it also
