@@ -55,23 +55,12 @@ def remote(*args, **kwargs):
     return lambda fn: fn
 
 
-def method(*args, **kwargs):
-    if len(args) == 1 and not kwargs and callable(args[0]):
-        return args[0]
-    return lambda fn: fn
+method = remote  # ``@ray.method(...)``: the same pass-through
 
-
-init = _no_ray("init")
-shutdown = _no_ray("shutdown")
-get = _no_ray("get")
-put = _no_ray("put")
-wait = _no_ray("wait")
-kill = _no_ray("kill")
-get_actor = _no_ray("get_actor")
-get_runtime_context = _no_ray("get_runtime_context")
-get_gpu_ids = _no_ray("get_gpu_ids")
-nodes = _no_ray("nodes")
-available_resources = _no_ray("available_resources")
-cluster_resources = _no_ray("cluster_resources")
+# every call that would need a Ray cluster
+for _name in ("init", "shutdown", "get", "put", "wait", "kill", "get_actor", "get_runtime_context", "get_gpu_ids",
+              "nodes", "available_resources", "cluster_resources"):
+    globals()[_name] = _no_ray(_name)
+del _name
 
 from . import util  # noqa: E402  (ray.util, as ``import ray`` makes it an attribute)
