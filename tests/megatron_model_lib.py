@@ -281,7 +281,6 @@ def te_attention(backend: str, *, fa4_window_fix: bool = True):
 def _te_attention(backend: str):
     from transformer_engine.pytorch.attention.dot_product_attention import dot_product_attention as dpa
 
-
     def reset():
         # (the last selection's flags too: what is read on exit must come from a call inside)
         dpa._attention_backends.update(

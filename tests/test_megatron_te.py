@@ -414,11 +414,10 @@ def test_mla_core_attention_in_te_specs_matches_te_attention():
                     assert flash["ran"] and flash["flash"] is not None, (
                         f"{what}: attention_backend flash did not run FlashAttention: {e['selected']}"
                     )
-            accepted = [e["paths"][p] for p in ("te_flash", "torch") if p in e["paths"]]
-            for p in ("te_flash", "torch"):
-                if p in e["paths"]:
-                    _check_accepted(f"{what}: {p} vs TE fused (selected {e['selected'].get('flash')})", e["paths"][p])
-            _check_path(f"{what}: verl_ops vs TE fused", e["paths"]["verl_ops"], accepted)
+            accepted = {p: e["paths"][p] for p in ("te_flash", "torch") if p in e["paths"]}
+            for p, errs in accepted.items():
+                _check_accepted(f"{what}: {p} vs TE fused (selected {e['selected'].get('flash')})", errs)
+            _check_path(f"{what}: verl_ops vs TE fused", e["paths"]["verl_ops"], list(accepted.values()))
         # verl_ops' q / k without concatenation runs inside TE's specs too (TE's layernorm-fused
         # up-projections): in every MLA layer of every step, where the SM90 kernels run
         assert rep["latent_off"] == [None] * 3, f"{v}: MLA layers kept the concatenation: {rep['latent_off']}"

@@ -91,9 +91,9 @@ side by side and each path's top-10 non-GEMM kernels. Where the idle goes
 runtime calls that overlapped them (a synchronisation, a cudaMalloc, a copy to the host), the time
 before the first kernel and after the last, and for the longest gaps the op and ``bench::`` range
 that launched the kernel after each. On a GPU with NVML (``gpu_clocks.py``): the SM clock, the
-energy counter and the temperature sampled every 5 ms during each path's timed steps. A GPU at its power limit lowers its
-clock as the step gets denser, so the same GEMMs run slower on a faster path: the clock column says
-when a kernel-time difference is the clock's.
+energy counter and the temperature sampled every 5 ms during each path's timed steps. A GPU at its
+power limit lowers its clock as the step gets denser, so the same GEMMs run slower on a faster
+path: the clock line says when a kernel-time difference is the clock's.
 
 Output (at the end, after a few lines per size): the profile tables; a markdown table (size, path,
 step ms median, speedup over verl and over verl_fa4, same results); per size, a markdown table
@@ -546,8 +546,8 @@ def time_paths(step, batches, paths, reps, warmup, device):
         m = torch.cuda.memory_stats(device)
         return (m.get("num_device_alloc", 0), m.get("num_device_free", 0), m.get("num_alloc_retries", 0))
 
-    # the GPU's SM clock / energy during each path's timed steps (NVML; absent on the CPU)
-    clocks = gpu_clocks.ClockSampler(device).start() if device.type == "cuda" else None
+    # the GPU's SM clock / energy during each path's timed steps (NVML; .ok is False on the CPU)
+    clocks = gpu_clocks.ClockSampler(device).start()
     try:
         for r in range(reps):
             order = paths if r % 2 == 0 else paths[::-1]
@@ -566,16 +566,14 @@ def time_paths(step, batches, paths, reps, warmup, device):
                 sync(device)
                 t1 = time.perf_counter()
                 wall[path].append((t1 - t0) * 1e3)
-                if clocks is not None:
-                    clocks.window(path, t0, t1)
+                clocks.window(path, t0, t1)
                 for key, b, a in zip(alloc[path], before, allocator_counts()):
                     alloc[path][key] += a - b
                 if device.type == "cuda":
                     events[path].append(e0.elapsed_time(e1))
     finally:
-        if clocks is not None:
-            clocks.stop()
-    clock_summary = clocks.summary() if clocks is not None and clocks.ok else {}
+        clocks.stop()
+    clock_summary = clocks.summary() if clocks.ok else {}
     out = {}
     for p in paths:
         out[p] = {
