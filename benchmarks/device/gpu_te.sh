@@ -8,9 +8,13 @@
 #   tests       per megatron-core version: tests/test_megatron_te.py (CP = 1 on one GPU; CP = 2 over
 #               NCCL where 2 GPUs are there), FlashAttention-4 on the path where /tmp/fa4/PYTHONPATH
 #               exists (benchmarks/device/fa4_setup.sh); a JSON summary per test in $OUT
-#   verl        where .vb is carried (verl's import-time dependencies as wheels, see below): verl's own
+#   verl        where .vb is carried (verl's import-time dependencies as wheels, see below), or was
+#               copied to /tmp/vb by an earlier call within the warm window (.vb does not fit into
+#               one call beside .te, .whl and .cudnn_fe: carry [".vb"] alone and run
+#               `rm -rf /tmp/vb && cp -r .vb /tmp/vb` first; VB=DIR names another folder): verl's own
 #               engine forward with the plugin on and off, per version (VERL_ENGINE=0 skips it)
-#   bench       with BENCH_MCORE="0.16.1 ...": bench_megatron_step.py --te at hidden 4096 per version;
+#   bench       with BENCH_MCORE="0.16.1 ...": bench_megatron_step.py --te per version at the hidden
+#               sizes BENCH_TE_SIZES (default 4096; "4096 7168" for both);
 #               with BENCH_LOCAL_MCORE="0.16.1 ...": the same bench on megatron-core's local specs at
 #               BENCH_LOCAL_SIZES (default "4096 7168")
 #   REUSE       auto (default): a call right after another (within the warm window) reuses its setup
@@ -82,20 +86,22 @@ for v in $MCORE; do
   echo "megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/te_tests_$v.log" | cut -c1-1500 | tail -8
 done
-if [ -d .vb ] && [ "${VERL_ENGINE:-1}" = 1 ]; then
+VB="${VB:-.vb}"; [ -d "$VB" ] || [ ! -d /tmp/vb ] || VB=/tmp/vb
+if [ -d "$VB" ] && [ "${VERL_ENGINE:-1}" = 1 ]; then
+  VB="$(cd "$VB" && pwd)"; echo "verl's dependencies from $VB"
   # verl's own engine forward with the plugin on and off (tests/test_verl_plugin.py -k engine_forward):
   # verl's import-time dependencies from .vb (carried: tensordict, omegaconf, codetiming, orjson,
   # cloudpickle, pyvers, mbridge; .vb/stubs holds an import-only stand-in for ray), and verl_ops'
   # entry point (verl loads "verl.plugins" entry points; this in-place build has no metadata).
   rm -rf /tmp/vbsite
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vbsite .vb/*.whl \
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vbsite "$VB"/*.whl \
     > "$OUT/vbsite.log" 2>&1 || tail -5 "$OUT/vbsite.log"
   mkdir -p /tmp/vbsite/verl_ops-0.1.0.dist-info
   printf 'Metadata-Version: 2.1\nName: verl_ops\nVersion: 0.1.0\n' > /tmp/vbsite/verl_ops-0.1.0.dist-info/METADATA
   printf '[verl.plugins]\nverl_ops = verl_ops_plugin\n' > /tmp/vbsite/verl_ops-0.1.0.dist-info/entry_points.txt
   for v in $MCORE; do
     t1=$(date +%s)
-    PYTHONPATH="/tmp/mcore-$v:/tmp/vbsite:$PWD/.vb/stubs:$PYTHONPATH" VERL_OPS_REQUIRE_VERL=1 \
+    PYTHONPATH="/tmp/mcore-$v:/tmp/vbsite:$VB/stubs:$PYTHONPATH" VERL_OPS_REQUIRE_VERL=1 \
       VERL_OPS_TEST_REPORT_DIR="$OUT" timeout "${VERL_TIMEOUT:-300}" \
       python3 -m pytest tests/test_verl_plugin.py -k engine_forward_on_te_specs -q -p no:cacheprovider -rfEs \
       > "$OUT/verl_engine_$v.log" 2>&1; rc=$?
@@ -113,7 +119,13 @@ bench() {
   grep -vE "^\s*$" "$OUT/$name.log" | grep -v Warning | grep -A60 "^## Step time" | head -60
 }
 # the step on TE's specs: verl's path with TE flash / fused attention against verl_ops
-for v in ${BENCH_MCORE:-}; do bench "step_te_$v" "$v" --te --sizes 4096; done
+# (JSON / log: step_te_VERSION at hidden 4096, step_te_VERSION_SIZE at any other size)
+for v in ${BENCH_MCORE:-}; do
+  for z in ${BENCH_TE_SIZES:-4096}; do
+    name="step_te_$v"; [ "$z" = 4096 ] || name="step_te_${v}_$z"
+    bench "$name" "$v" --te --sizes "$z"
+  done
+done
 # the step on megatron-core's local specs (issue 42's table), verl_fa4 included where /tmp/fa4 is
 for v in ${BENCH_LOCAL_MCORE:-}; do
   for z in ${BENCH_LOCAL_SIZES:-4096 7168}; do bench "step_local_${v}_$z" "$v" --sizes "$z"; done

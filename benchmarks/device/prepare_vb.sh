@@ -22,9 +22,9 @@
 # time), RECORD rewritten to match: ~10 MB in all (transformers 1.8 MB); AutoConfig etc. then know
 # only the kept model types. A call carries at most 64 MiB (67.1 MB) with the tree (~3.9 MB): .te
 # (44.4 MB) + .whl (6.7) + .cudnn_fe (3.1) leave ~9 MB, so even the slim .vb (9.9 MB) is ~1 MB over.
-# Not solved yet: gpu_te.sh's setup reuse needs .te and .whl in the same call (its stamp hashes them),
-# so a call that carries .vb instead of .te does not find the first call's TE setup; it needs .vb
-# unpacked in one call and kept in /tmp for the next, as fa4_setup.sh does with its parts.
+# So .vb travels in a call of its own that copies it to /tmp/vb (carry [".vb"], run
+# `rm -rf /tmp/vb && cp -r .vb /tmp/vb`); gpu_te.sh, called within the warm window with .te, .whl and
+# .cudnn_fe, takes /tmp/vb where no .vb is carried.
 # (Checked on the CPU only: a 3.11 build of this set ran tests/test_verl_plugin.py, 18 passed.)
 #
 #   bash benchmarks/device/prepare_vb.sh                  # .vb for CPython 3.12 (kept if it exists)
