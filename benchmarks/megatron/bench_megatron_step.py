@@ -62,7 +62,8 @@ it megatron-core's MLA and MoE layers do not run without TransformerEngine.
 Timing: each step is ``torch.cuda.synchronize()``-bracketed (the step has host reads of its
 own: verl's packing functions read the lengths), wall clock and CUDA events around it; warm-up
 3 steps, median of ``--reps`` (default 10); gradients set to None between steps (not timed).
-The paths alternate in rounds, so drift in clocks hits them all.
+The paths alternate in rounds, so drift in clocks hits them all (``--order blocked``: each path's
+warm-up and timed steps back to back instead, the steady state of training).
 
 Host syncs (CUDA): one more step of each path under ``torch.cuda.set_sync_debug_mode("warn")``,
 the warnings caught as they are issued and counted by the source file that made the call (the
@@ -522,17 +523,29 @@ class Step:
         return loss.detach(), values.detach()
 
 
-def time_paths(step, batches, paths, reps, warmup, device):
+def time_paths(step, batches, paths, reps, warmup, device, order="alternate"):
     """Median step time per path (ms): wall clock between synchronisations, and CUDA events.
-    The paths alternate in rounds (their warm-ups first); round r runs ``batches[r % len]`` on
-    both paths."""
+    ``order="alternate"``: the paths alternate in rounds (all warm-ups first); round r runs
+    ``batches[r % len]`` on every path. ``"blocked"``: each path's warm-up and timed steps back
+    to back, one path after the other (steady state, as in training, where a GPU under its power
+    limit clocks each path by that path's own draw); step r still runs ``batches[r % len]``."""
     model = step.model
-    for path in paths:
+
+    def warm(path):
         step.use(path)
         for i in range(max(warmup, len(batches) if warmup else 0)):
             model.zero_grad(set_to_none=True)
             step(batches[i % len(batches)])
         sync(device)
+
+    if order == "alternate":
+        for path in paths:
+            warm(path)
+        schedule = [(r, path) for r in range(reps) for path in (paths if r % 2 == 0 else paths[::-1])]
+    elif order == "blocked":
+        schedule = [(r, path) for path in paths for r in range(reps)]
+    else:
+        raise ValueError(f"time_paths: order must be 'alternate' or 'blocked', got {order!r}")
     wall = {p: [] for p in paths}
     events = {p: [] for p in paths}
     # The caching allocator's device calls during the timed steps, per path: a cudaMalloc /
@@ -549,28 +562,28 @@ def time_paths(step, batches, paths, reps, warmup, device):
     # the GPU's SM clock / energy during each path's timed steps (NVML; .ok is False on the CPU)
     clocks = gpu_clocks.ClockSampler(device).start()
     try:
-        for r in range(reps):
-            order = paths if r % 2 == 0 else paths[::-1]
-            for path in order:
-                step.use(path)
-                model.zero_grad(set_to_none=True)
-                sync(device)
-                if device.type == "cuda":
-                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    e0.record()
-                before = allocator_counts()
-                t0 = time.perf_counter()
-                step(batches[r % len(batches)])
-                if device.type == "cuda":
-                    e1.record()
-                sync(device)
-                t1 = time.perf_counter()
-                wall[path].append((t1 - t0) * 1e3)
-                clocks.window(path, t0, t1)
-                for key, b, a in zip(alloc[path], before, allocator_counts()):
-                    alloc[path][key] += a - b
-                if device.type == "cuda":
-                    events[path].append(e0.elapsed_time(e1))
+        for r, path in schedule:
+            if order == "blocked" and r == 0:
+                warm(path)
+            step.use(path)
+            model.zero_grad(set_to_none=True)
+            sync(device)
+            if device.type == "cuda":
+                e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                e0.record()
+            before = allocator_counts()
+            t0 = time.perf_counter()
+            step(batches[r % len(batches)])
+            if device.type == "cuda":
+                e1.record()
+            sync(device)
+            t1 = time.perf_counter()
+            wall[path].append((t1 - t0) * 1e3)
+            clocks.window(path, t0, t1)
+            for key, b, a in zip(alloc[path], before, allocator_counts()):
+                alloc[path][key] += a - b
+            if device.type == "cuda":
+                events[path].append(e0.elapsed_time(e1))
     finally:
         clocks.stop()
     clock_summary = clocks.summary() if clocks.ok else {}
@@ -1127,7 +1140,7 @@ def run_size(label, size, args, device, dtype, results):
     entry["check"] = entry["checks"]["verl_ops"]
     entry["paths"] = paths
     try:
-        times = time_paths(step, batches, paths, args.reps, args.warmup, device)
+        times = time_paths(step, batches, paths, args.reps, args.warmup, device, args.order)
     except Exception as e:  # noqa: BLE001
         traceback.print_exc()
         entry["error"] = f"{type(e).__name__}: {e}"
@@ -1247,6 +1260,10 @@ def main(argv=None):
     ap.add_argument("--tokens", type=int, default=30 * 1024, help="tokens of the RL-ragged micro-batch")
     ap.add_argument("--reps", type=int, default=10, help="timed steps per path (median)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per path first")
+    ap.add_argument("--order", choices=("alternate", "blocked"), default="alternate",
+                    help="alternate: the paths take turns, one step each per round (drift in clocks hits "
+                         "them all); blocked: each path's warm-up and timed steps back to back (steady state, "
+                         "as in training: under the GPU's power limit each path runs at its own clock)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
     ap.add_argument("--batches", type=int, default=1,
                     help="time over this many RL-ragged batches (seeds seed, seed+1, ...; round r runs batch "
@@ -1332,13 +1349,13 @@ def main(argv=None):
     if smoke:
         print("\n(smoke run on the CPU: one step each, no warm-up; the times say nothing about the GPU)")
     print(f"\nspeedup = the other path's step time / this path's; wall clock between synchronisations, "
-          f"median of {args.reps} (warm-up {args.warmup}); total run "
+          f"median of {args.reps} (warm-up {args.warmup}; {args.order} order); total run "
           f"{time.perf_counter() - t_start:.0f} s")
     if args.out:
         meta = {
             "device": device_line(device), "torch": torch.__version__, "commit": common.commit(),
             "megatron_core": megatron_core_version(), "verl": verl_version(), "tiny": args.tiny,
-            "cpu": args.cpu, "reps": args.reps, "warmup": args.warmup,
+            "cpu": args.cpu, "reps": args.reps, "warmup": args.warmup, "order": args.order,
             "seed": args.seed, "dtype": str(dtype), "tokens": args.tokens,
         }
         with open(args.out, "w") as f:
