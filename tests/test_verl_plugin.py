@@ -256,7 +256,7 @@ def test_verls_engine_forward_on_te_specs_with_the_plugin_gpu(tmp_path):
     TE's specs (DeepSeek-V3's head dims, bf16), without the plugin (TE's attention; the routes
     recorded) and with it (MLACoreAttention, verl_ops' drop-ins; the routes replayed): log-probs,
     entropy and every gradient within bf16 tolerance (relative norms, as tests/test_megatron_model.py's
-    CUDA cases). Both runs' step times go to VERL_OPS_TEST_REPORT_DIR's verl_engine_forward.json
+    CUDA cases). Both runs' step times go to VERL_OPS_TEST_REPORT_DIR's verl_engine_forward_<megatron-core>.json
     (speed is a benchmark's to show, not a test's)."""
     import torch
 
@@ -285,7 +285,11 @@ def test_verls_engine_forward_on_te_specs_with_the_plugin_gpu(tmp_path):
         summary["rel_norm"] = {k: lib.rel_err(a[k], b[k]) for k in ("log_probs", "entropy") if a[k].shape == b[k].shape}
         summary["grad_rel_norm_max"] = max(grad_errors.values(), default=None)
         os.makedirs(folder, exist_ok=True)
-        with open(os.path.join(folder, "verl_engine_forward.json"), "w") as f:
+        try:  # one file per megatron-core version (gpu_te.sh runs every version into one folder)
+            from megatron.core import __version__ as version
+        except Exception:  # noqa: BLE001
+            version = "unknown"
+        with open(os.path.join(folder, f"verl_engine_forward_{version}.json"), "w") as f:
             json.dump(summary, f, indent=1, default=str)
     assert off["te"] and on["te"], "TransformerEngine did not import in the scenario"
     assert off["layers"] == {"TEDotProductAttention": 2}, off["layers"]
