@@ -18,7 +18,7 @@
 #               with BENCH_LOCAL_MCORE="0.16.1 ...": the same bench on megatron-core's local specs at
 #               BENCH_LOCAL_SIZES (default "4096 7168")
 #   REUSE       auto (default): a call right after another (within the warm window) reuses its setup
-# Carry: [".te", ".whl", ".cudnn_fe"] (and ".vb" for the verl step).
+# Carry: [".te", ".whl", ".cudnn_fe"]; ".vb" (for the verl step) in a call of its own before (see verl).
 #
 #   OUT=/some/dir bash benchmarks/device/gpu_te.sh
 #   OUT=/some/dir MCORE=0.19.2 PYTEST_ARGS="-k context_parallel" bash benchmarks/device/gpu_te.sh
@@ -86,7 +86,8 @@ for v in $MCORE; do
   echo "megatron-core $v: rc=$rc [$(( $(date +%s) - t1 )) s]"; [ $rc -eq 0 ] || status=1
   grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed" "$OUT/te_tests_$v.log" | cut -c1-1500 | tail -8
 done
-VB="${VB:-.vb}"; [ -d "$VB" ] || [ ! -d /tmp/vb ] || VB=/tmp/vb
+if [ -n "${VB:-}" ]; then [ -d "$VB" ] || echo "VB=$VB: no such folder (verl's engine test not run)"
+else VB=.vb; [ -d "$VB" ] || [ ! -d /tmp/vb ] || VB=/tmp/vb; fi
 if [ -d "$VB" ] && [ "${VERL_ENGINE:-1}" = 1 ]; then
   VB="$(cd "$VB" && pwd)"; echo "verl's dependencies from $VB"
   # verl's own engine forward with the plugin on and off (tests/test_verl_plugin.py -k engine_forward):

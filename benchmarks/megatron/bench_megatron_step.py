@@ -63,7 +63,7 @@ Timing: each step is ``torch.cuda.synchronize()``-bracketed (the step has host r
 own: verl's packing functions read the lengths), wall clock and CUDA events around it; warm-up
 3 steps, median of ``--reps`` (default 10); gradients set to None between steps (not timed).
 The paths alternate in rounds, so drift in clocks hits them all (``--order blocked``: each path's
-warm-up and timed steps back to back instead, the steady state of training).
+warm-up and timed steps back to back instead, as in training).
 
 Host syncs (CUDA): one more step of each path under ``torch.cuda.set_sync_debug_mode("warn")``,
 the warnings caught as they are issued and counted by the source file that made the call (the
@@ -527,7 +527,7 @@ def time_paths(step, batches, paths, reps, warmup, device, order="alternate"):
     """Median step time per path (ms): wall clock between synchronisations, and CUDA events.
     ``order="alternate"``: the paths alternate in rounds (all warm-ups first); round r runs
     ``batches[r % len]`` on every path. ``"blocked"``: each path's warm-up and timed steps back
-    to back, one path after the other (steady state, as in training, where a GPU under its power
+    to back, one path after the other (as in training, where a GPU under its power
     limit clocks each path by that path's own draw); step r still runs ``batches[r % len]``."""
     model = step.model
 
@@ -1262,8 +1262,8 @@ def main(argv=None):
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps per path first")
     ap.add_argument("--order", choices=("alternate", "blocked"), default="alternate",
                     help="alternate: the paths take turns, one step each per round (drift in clocks hits "
-                         "them all); blocked: each path's warm-up and timed steps back to back (steady state, "
-                         "as in training: under the GPU's power limit each path runs at its own clock)")
+                         "them all); blocked: each path's warm-up and timed steps back to back, as in "
+                         "training (under the GPU's power limit each path runs at its own clock)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the batch and the weights")
     ap.add_argument("--batches", type=int, default=1,
                     help="time over this many RL-ragged batches (seeds seed, seed+1, ...; round r runs batch "
