@@ -84,6 +84,38 @@ def test_bare_import_verl_puts_the_drop_ins_in_place():
     assert "preprocess_thd_engine" in info[0] and "left alone: none" in info[0]
 
 
+@pytest.mark.parametrize("value, level", [("10", 10), ("debug", 10), ("WARNING", 30), ("bogus", 20)])
+def test_log_level_names_numbers_and_bad_values(value, level):
+    res, _ = run("log_level", VERL_OPS_LOG_LEVEL=value)
+    assert res["level"] == level
+    assert res["drop_ins"] and all(res["drop_ins"].values()), res["drop_ins"]
+    if value == "bogus":
+        assert len(res["warnings"]) == 1 and "VERL_OPS_LOG_LEVEL='bogus'" in res["warnings"][0], res["warnings"]
+    else:
+        assert res["warnings"] == []
+
+
+def test_warnings_as_errors_never_break_verls_imports():
+    res, _ = run("warnings_as_errors", VERL_OPS_LOG_LEVEL="bogus")
+    assert res["drop_ins"] and all(res["drop_ins"].values()), res["drop_ins"]
+
+
+def test_uninstall_undoes_the_plugin_in_modules_imported_later_too():
+    res, _ = run("uninstall")
+    assert any(k.startswith("verl.models.mcore.model_forward.") for k in res["before"]), res["before"]
+    assert sorted(res["restored"]) == res["before"]
+    assert res["after"] == [], res["after"]
+    assert not res["late_imported_before"], "the test needs an owner that verl imports only later"
+    assert res["warnings"] == []
+
+
+def test_a_spec_that_cannot_be_copied_is_left_alone():
+    res, _ = run("spec_copy_fails")
+    assert not res["caller_spec_placed"] and res["layer_arg_kept"]
+    assert res["mtp_copy_placed"] and res["report_placed"] == 1
+    assert len(res["warnings"]) == 1 and "transformer_layer_spec could not be copied" in res["warnings"][0]
+
+
 def test_info_line_only_on_rank_zero():
     _, err = run("state", RANK="1")
     assert "verl_ops plugin: verl 0.9.1" not in err

@@ -558,6 +558,85 @@ def scenario_broken_ops() -> dict:
     return {"model_forward_module": mf.preprocess_packed_seqs.__module__, "warnings": plugin_warnings()}
 
 
+def scenario_log_level() -> dict:
+    """``import verl`` with VERL_OPS_LOG_LEVEL as set by the test: the logger's level, the warnings,
+    and whether the drop-ins went in (a bad level must cost nothing but a warning)."""
+    import logging
+
+    import verl  # noqa: F401
+
+    state = drop_in_state()  # imports the owners: the data part runs and logs its INFO line
+    return {"level": logging.getLogger("verl_ops.plugin").level, "drop_ins": state,
+            "warnings": plugin_warnings()}
+
+
+def scenario_warnings_as_errors() -> dict:
+    """The plugin's warnings turned into errors (as ``-W error`` or pytest's filterwarnings=error do)
+    while it has one to give (VERL_OPS_LOG_LEVEL is not a level): importing verl's modules must
+    still work."""
+    warnings.filterwarnings("error", message="verl_ops plugin")
+    import verl  # noqa: F401
+    import verl.models.mcore.model_forward  # noqa: F401
+
+    warnings.simplefilter("always")
+    return {"drop_ins": drop_in_state()}
+
+
+def scenario_uninstall() -> dict:
+    """The plugin's data part, a verl module imported afterwards (model_forward binds the drop-ins
+    by name), then ``uninstall()``: no verl module keeps a drop-in, and an owner imported only after
+    ``uninstall()`` keeps verl's functions (the plugin's pending hooks are dropped)."""
+    import verl  # noqa: F401
+    import verl.models.mcore.model_forward  # noqa: F401
+
+    from verl_ops.integrations import verl as vi
+    from verl_ops.integrations.install import _all_drop_ins
+
+    late = "verl.utils.dynamic_cp_scheduler"
+    late_imported_before = late in sys.modules
+    drop_ins = _all_drop_ins()
+    before = sorted(f"{m}.{n}" for m, mod in list(sys.modules.items()) if m.startswith("verl.") and mod
+                    for n, f in drop_ins.items() if getattr(mod, n, None) is f)
+    restored = vi.uninstall()
+    import importlib
+
+    importlib.import_module(late)
+    after = sorted(f"{m}.{n}" for m, mod in list(sys.modules.items()) if m.startswith("verl.") and mod
+                   for n, f in drop_ins.items() if getattr(mod, n, None) is f)
+    return {"before": before, "restored": restored, "after": after,
+            "late_imported_before": late_imported_before, "warnings": plugin_warnings()}
+
+
+def scenario_spec_copy_fails() -> dict:
+    """A GPTModel spec that cannot be deep-copied: the plugin leaves it alone (one warning) instead of
+    putting MLACoreAttention into the caller's own object; a spec that can be copied still gets it."""
+    import inspect
+    import types
+
+    import verl  # noqa: F401
+    from verl_ops.integrations import megatron_mla, plugin
+
+    placed = []
+    plugin._prepare_megatron = lambda: None
+    megatron_mla.place_in_spec = lambda spec, config: (placed.append(spec) or
+                                                      {"placed": 1, "kept": {}, "replaced": {}})
+
+    class NoCopy:
+        def __deepcopy__(self, memo):
+            raise TypeError("no copies of this spec")
+
+    def gpt_init(self, config, transformer_layer_spec, mtp_block_spec=None):
+        pass
+
+    layer, mtp = NoCopy(), {"a": 1}
+    config = types.SimpleNamespace(multi_latent_attention=True)
+    args, kwargs, report = plugin._with_mla_specs(inspect.signature(gpt_init), object(), (config, layer),
+                                                  {"mtp_block_spec": mtp})
+    return {"caller_spec_placed": any(p is layer for p in placed), "mtp_copy_placed": len(placed) == 1
+            and placed[0] == mtp and placed[0] is not mtp, "layer_arg_kept": args[1] is layer,
+            "report_placed": (report or {}).get("placed"), "warnings": plugin_warnings()}
+
+
 if __name__ == "__main__":
     result = globals()[f"scenario_{sys.argv[1]}"]()
     sys.stdout.flush()

@@ -12,7 +12,8 @@ hooks; the work happens in :mod:`verl_ops.integrations.plugin` when the modules 
 finish importing:
 
 - ``data``: verl's data-path helpers (``verl.models.mcore.util``,
-  ``verl.utils.megatron.router_replay_utils``, ``verl.utils.dynamic_cp_scheduler``) get the
+  ``verl.utils.megatron.router_replay_utils``, ``verl.utils.dynamic_cp_scheduler``,
+  ``verl.utils.megatron.tensor_parallel``) get the
   drop-ins of :mod:`verl_ops.integrations.verl` as soon as each of them is imported, so every verl
   module that imports them by name afterwards (``model_forward``) binds the drop-ins;
 - ``mla``: every megatron-core ``GPTModel`` built afterwards (by Megatron-Bridge, vanilla mbridge
@@ -96,7 +97,10 @@ def warn(message: str) -> None:
     if message in _state["warned"]:
         return
     _state["warned"].add(message)
-    warnings.warn(f"verl_ops plugin: {message}", VerlOpsPluginWarning, stacklevel=2)
+    try:  # (under ``-W error`` a warning raises: never into verl's import)
+        warnings.warn(f"verl_ops plugin: {message}", VerlOpsPluginWarning, stacklevel=2)
+    except Exception:  # noqa: BLE001
+        pass
 
 
 def _rank_zero() -> bool:
@@ -113,21 +117,42 @@ def _rank_zero() -> bool:
     return rank.strip() in ("", "0")
 
 
-def info_once(part: str, message: str) -> None:
-    """The INFO line of ``part`` for this process (rank 0 only; later ones at DEBUG)."""
-    if part in _state["logged"] or not _rank_zero():
-        log.debug("verl_ops plugin: %s", message)
+LOG_LEVEL_ENV = "VERL_OPS_LOG_LEVEL"
+
+
+def _apply_log_level() -> None:
+    """The logger's level from ``VERL_OPS_LOG_LEVEL`` (a level name such as ``DEBUG``, or a number;
+    default ``INFO``), unless the logger already has one. An unknown value: INFO, one warning."""
+    if log.level != logging.NOTSET:
         return
-    _state["logged"].add(part)
-    if log.level == logging.NOTSET:
-        log.setLevel(os.environ.get("VERL_OPS_LOG_LEVEL", "INFO").upper())
-    if not log.handlers and not logging.getLogger().handlers:
-        # No logging set up (verl sets a basic config; a bare process has none): INFO would only
-        # reach Python's last-resort handler, which drops it.
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
-        log.addHandler(handler)
-    log.info("verl_ops plugin: %s", message)
+    raw = os.environ.get(LOG_LEVEL_ENV, "INFO").strip()
+    if raw.lstrip("-").isdigit():
+        level = int(raw)
+    else:
+        level = logging.getLevelName(raw.upper())  # the number for a known name, else a string
+    if not isinstance(level, int):
+        warn(f"{LOG_LEVEL_ENV}={raw!r} is not a logging level (a name such as DEBUG, or a number); using INFO")
+        level = logging.INFO
+    log.setLevel(level)
+
+
+def info_once(part: str, message: str) -> None:
+    """The INFO line of ``part`` for this process (rank 0 only; later ones at DEBUG). Never raises."""
+    try:
+        _apply_log_level()
+        if part in _state["logged"] or not _rank_zero():
+            log.debug("verl_ops plugin: %s", message)
+            return
+        _state["logged"].add(part)
+        if not log.handlers and not logging.getLogger().handlers:
+            # No logging set up (verl sets a basic config; a bare process has none): INFO would only
+            # reach Python's last-resort handler, which drops it.
+            handler = logging.StreamHandler()
+            handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+            log.addHandler(handler)
+        log.info("verl_ops plugin: %s", message)
+    except Exception:  # noqa: BLE001  (a log line must not break verl's model build)
+        pass
 
 
 def version_tuple(v) -> tuple:
@@ -245,6 +270,21 @@ def when_imported(name: str, hook) -> None:
         sys.meta_path.insert(0, _finder)
 
 
+def disarm_data() -> list:
+    """Drop the data part's hooks not yet run (owners verl has not imported yet), so that a later
+    import of one leaves verl's functions alone; :func:`verl_ops.integrations.verl.uninstall` calls
+    it. Returns the module names whose hook was dropped."""
+    dropped = []
+    for name in DATA_MODULES:
+        hooks = _finder.hooks.get(name)
+        if hooks and _data_hook in hooks:
+            hooks[:] = [h for h in hooks if h is not _data_hook]
+            if not hooks:
+                del _finder.hooks[name]
+            dropped.append(name)
+    return dropped
+
+
 def _actions():
     """verl_ops.integrations.plugin, imported on first use; None (after one warning) where
     verl_ops itself cannot be imported."""
@@ -294,6 +334,7 @@ def arm() -> frozenset:
     """Arm the hooks of the parts ``VERL_OPS_PLUGIN`` selects (idempotent). Returns the parts."""
     if _state["armed"]:
         return _state["parts"]
+    _apply_log_level()  # (every rank: the DEBUG lines follow the variable too)
     chosen = parts()
     _state["armed"] = True
     _state["parts"] = chosen

@@ -144,12 +144,22 @@ def install(*, strict: bool = False, report: bool = False, owners=None):
 
 
 def uninstall() -> list[str]:
-    """Undo :func:`install`: put verl's original functions back. Returns the restored names."""
+    """Undo :func:`install` (and the verl plugin's data part): put verl's original functions back
+    in every imported ``verl.*`` module that holds a drop-in, including modules imported after
+    :func:`install` that bound a drop-in from its owner, and drop the plugin's hooks for owners not
+    imported yet. Returns the restored names as ``"module.attribute"``."""
+    drop_ins = _all_drop_ins()
+    originals = {name: theirs for (_, name), theirs in _ORIGINALS.items()}
     restored = []
-    for (mod_name, name), theirs in list(_ORIGINALS.items()):
-        mod = sys.modules.get(mod_name)
-        if mod is not None and getattr(mod, name, None) is _all_drop_ins()[name]:
-            setattr(mod, name, theirs)
-            restored.append(f"{mod_name}.{name}")
-        del _ORIGINALS[(mod_name, name)]
+    for mod_name, mod in list(sys.modules.items()):
+        if mod is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
+            continue
+        for name, theirs in originals.items():
+            if getattr(mod, name, None) is drop_ins[name]:
+                setattr(mod, name, theirs)
+                restored.append(f"{mod_name}.{name}")
+    _ORIGINALS.clear()
+    plugin = sys.modules.get("verl_ops_plugin")
+    if plugin is not None and hasattr(plugin, "disarm_data"):
+        plugin.disarm_data()
     return sorted(restored)

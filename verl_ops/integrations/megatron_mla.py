@@ -806,7 +806,7 @@ def _latent_skip_reason(m, args) -> str | None:
     """Why this call of get_query_key_value_tensors keeps Megatron's path (None: capture it)."""
     from .._mla_latent import latent_kernels_available
 
-    if os.environ.get("VERL_OPS_MLA_LATENT", "1") == "0":
+    if os.environ.get("VERL_OPS_MLA_LATENT", "1").strip().lower() in ("0", "off", "false", "no"):
         return "off"
     if m.__dict__.get(_LATENT_OFF_ATTR) is not None:
         return "off for this layer"

@@ -134,9 +134,14 @@ def _prepare_megatron() -> str | None:
         return state["mla_prepared"]
     if _megatron_mla_forward is None:
         remember_mla_forward(mla_module)
-    from .megatron_mla import install
+    try:
+        from .megatron_mla import install
 
-    install()
+        install()
+    except Exception as e:  # noqa: BLE001  (once: not retried for every later model)
+        state["mla_prepared"] = (f"megatron_mla.install() failed ({type(e).__name__}: {e}; the fixes it applied "
+                                 "before that stay)")
+        return state["mla_prepared"]
     state["mla_prepared"] = None
     return None
 
@@ -165,8 +170,10 @@ def _with_mla_specs(signature, model, args, kwargs):
                 continue
             try:
                 spec = copy.deepcopy(spec)  # the caller's spec object stays as it was
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as e:  # noqa: BLE001  (never edit the caller's object instead)
+                _plugin.warn(f"GPTModel's {name} could not be copied ({type(e).__name__}: {e}); "
+                             "its MLA layers keep their attention")
+                continue
             rep = place_in_spec(spec, config)
             bound.arguments[name] = spec
             total["placed"] += rep["placed"]
