@@ -23,7 +23,7 @@ import pytest
 HERE = os.path.dirname(os.path.abspath(__file__))
 CHILD = os.path.join(HERE, "verl_plugin_child.py")
 PLUGIN_ENV = ("VERL_OPS_PLUGIN", "VERL_OPS_PLUGIN_VERSION_CHECK", "VERL_USE_EXTERNAL_PLUGINS",
-              "VERL_USE_EXTERNAL_MODULES", "RANK", "FAKE_MEGATRON_VERSION")
+              "VERL_USE_EXTERNAL_MODULES", "RANK", "FAKE_MEGATRON_VERSION", "VERL_OPS_LOG_LEVEL")
 
 
 def _verl_importable() -> str | None:
@@ -84,15 +84,22 @@ def test_bare_import_verl_puts_the_drop_ins_in_place():
     assert "preprocess_thd_engine" in info[0] and "left alone: none" in info[0]
 
 
-@pytest.mark.parametrize("value, level", [("10", 10), ("debug", 10), ("WARNING", 30), ("bogus", 20)])
+@pytest.mark.parametrize("value, level", [("10", 10), ("debug", 10), ("WARNING", 30), ("", 20), ("bogus", 20),
+                                          ("--10", 20)])
 def test_log_level_names_numbers_and_bad_values(value, level):
     res, _ = run("log_level", VERL_OPS_LOG_LEVEL=value)
     assert res["level"] == level
     assert res["drop_ins"] and all(res["drop_ins"].values()), res["drop_ins"]
-    if value == "bogus":
-        assert len(res["warnings"]) == 1 and "VERL_OPS_LOG_LEVEL='bogus'" in res["warnings"][0], res["warnings"]
+    if value in ("bogus", "--10"):
+        assert len(res["warnings"]) == 1 and f"VERL_OPS_LOG_LEVEL={value!r}" in res["warnings"][0], res["warnings"]
     else:
         assert res["warnings"] == []
+
+
+def test_log_level_is_not_read_when_the_plugin_is_off():
+    res, _ = run("log_level", VERL_OPS_LOG_LEVEL="bogus", VERL_OPS_PLUGIN="off")
+    assert res["level"] == 0 and res["warnings"] == []
+    assert res["drop_ins"] and not any(res["drop_ins"].values())
 
 
 def test_warnings_as_errors_never_break_verls_imports():
@@ -102,10 +109,14 @@ def test_warnings_as_errors_never_break_verls_imports():
 
 def test_uninstall_undoes_the_plugin_in_modules_imported_later_too():
     res, _ = run("uninstall")
+    if res["late_imported_before"]:
+        pytest.skip("this verl imports verl.utils.dynamic_cp_scheduler early: no owner is left to import later")
     assert any(k.startswith("verl.models.mcore.model_forward.") for k in res["before"]), res["before"]
     assert sorted(res["restored"]) == res["before"]
     assert res["after"] == [], res["after"]
-    assert not res["late_imported_before"], "the test needs an owner that verl imports only later"
+    # what went back is verl's own (defined in verl's modules), not some other object
+    assert res["restored_modules"] and all(m.startswith("verl.") for m in res["restored_modules"]), res
+    assert res["report_data_undone"]
     assert res["warnings"] == []
 
 

@@ -603,7 +603,10 @@ def scenario_uninstall() -> dict:
     importlib.import_module(late)
     after = sorted(f"{m}.{n}" for m, mod in list(sys.modules.items()) if m.startswith("verl.") and mod
                    for n, f in drop_ins.items() if getattr(mod, n, None) is f)
-    return {"before": before, "restored": restored, "after": after,
+    restored_modules = sorted({getattr(getattr(sys.modules[r.rsplit(".", 1)[0]], r.rsplit(".", 1)[1]),
+                                       "__module__", "?") for r in restored})
+    return {"before": before, "restored": restored, "after": after, "restored_modules": restored_modules,
+            "report_data_undone": "undone" in plugin_report().get("data", {}),
             "late_imported_before": late_imported_before, "warnings": plugin_warnings()}
 
 

@@ -125,10 +125,10 @@ def _apply_log_level() -> None:
     default ``INFO``), unless the logger already has one. An unknown value: INFO, one warning."""
     if log.level != logging.NOTSET:
         return
-    raw = os.environ.get(LOG_LEVEL_ENV, "INFO").strip()
-    if raw.lstrip("-").isdigit():
+    raw = os.environ.get(LOG_LEVEL_ENV, "").strip() or "INFO"
+    try:
         level = int(raw)
-    else:
+    except ValueError:
         level = logging.getLevelName(raw.upper())  # the number for a known name, else a string
     if not isinstance(level, int):
         warn(f"{LOG_LEVEL_ENV}={raw!r} is not a logging level (a name such as DEBUG, or a number); using INFO")
@@ -282,6 +282,7 @@ def disarm_data() -> list:
             if not hooks:
                 del _finder.hooks[name]
             dropped.append(name)
+    _state["report"].setdefault("data", {})["undone"] = "uninstall(): verl's functions restored"
     return dropped
 
 
@@ -334,7 +335,6 @@ def arm() -> frozenset:
     """Arm the hooks of the parts ``VERL_OPS_PLUGIN`` selects (idempotent). Returns the parts."""
     if _state["armed"]:
         return _state["parts"]
-    _apply_log_level()  # (every rank: the DEBUG lines follow the variable too)
     chosen = parts()
     _state["armed"] = True
     _state["parts"] = chosen
@@ -342,6 +342,10 @@ def arm() -> frozenset:
         _state["report"]["off"] = f"{ENV}={os.environ.get(ENV)!r}"
         log.debug("verl_ops plugin: off (%s)", _state["report"]["off"])
         return chosen
+    try:
+        _apply_log_level()  # (every rank: the DEBUG lines follow the variable too)
+    except Exception:  # noqa: BLE001  (a log level never keeps the parts from arming)
+        pass
     if "data" in chosen:
         if version_ok("verl", _verl_version(), VERL_RANGE):
             for name in DATA_MODULES:
