@@ -347,6 +347,31 @@ def check_dynamic_end_to_end(rank, world, backend):
     return True
 
 
+def check_dynamic_merge_error_reaches_every_group(rank, world, backend):
+    """With several CP groups of several ranks (4 ranks, local_cp_size 2: merge groups {0, 2} and
+    {1, 3}), a rank that rejects its outputs makes every rank raise, those of the other merge group
+    included (they would otherwise finish and wait in their next collective with it)."""
+    dist, device = _setup(rank, backend)
+    if world < 4:
+        return True
+    lengths = [3, 4, 5, 6, 7, 8, 50]
+    split = dynamic_cp_split(_nested(_sample_values(lengths), device), 32)
+    assert split.local_cp_size == 2 and split.plan.num_groups == world // 2
+    n = len(split.plan.sample_ids)
+    outs = [torch.ones(2, device=device)] * (n + (1 if rank == 0 else 0))
+    if rank == 0:
+        _expect_raises(ValueError, "group holds .* sequences but the outputs have", lambda: dynamic_cp_merge(
+            _nested(outs, device), split))
+    else:
+        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
+                       lambda: dynamic_cp_merge(_nested(outs, device), split))
+    # Still in step: a correct merge on every rank.
+    outs = [torch.full((2,), float(i), device=device) for i in split.plan.sample_ids]
+    merged = dynamic_cp_merge(_nested(outs, device), split)
+    assert merged.values().cpu().tolist() == [float(i) for i in range(len(lengths)) for _ in range(2)]
+    return True
+
+
 def check_dynamic_all_empty_outputs(rank, world, backend):
     dist, device = _setup(rank, backend)
     lengths = [2] * (2 * world)
@@ -713,6 +738,10 @@ def test_dynamic_empty_outputs(dist_run):
 
 def test_dynamic_errors_raise_on_every_rank(dist_run):
     assert all(dist_run("check_dynamic_errors"))
+
+
+def test_dynamic_merge_error_reaches_every_group(dist_run):
+    assert all(dist_run("check_dynamic_merge_error_reaches_every_group"))
 
 
 def test_dynamic_groups_of_a_subgroup(dist_run):

@@ -22,7 +22,8 @@ group under verl's dynamic CP) all hold the same micro-batch. For a micro-batch:
 
 Merge gathers the groups' outputs over the ranks that share a CP rank (one rank per group, a
 group of ``dp_size // local_cp_size`` ranks), with tensor collectives: a fixed-size header with
-the per-sequence lengths first, then one all-gather of the values (padded to the largest group),
+the per-sequence lengths first (gathered over the whole DPxCP group, so that a rejected output
+makes every rank raise), then one all-gather of the values (padded to the largest group),
 and one jagged_gather that restores the sample order. Every rank issues the same collectives
 whatever its data; inputs that disagree across ranks raise on every rank instead of hanging.
 
@@ -653,21 +654,32 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         local = torch.zeros(M + 2 * B if valid_b else M, dtype=torch.int64, device=device)
         local[_MERGE_STATUS] = 1
     if G > 1:
+        # The headers of the whole DPxCP group (not only of this rank's merge group): a rank that
+        # rejects its outputs makes every rank raise, those of the other merge groups included, which
+        # would otherwise finish their merge and wait in their next collective with it. This rank's
+        # merge group is every local_cp_size-th row from its CP rank on (merge_group's members).
         dist = _dist()
-        mg = groups.merge_group(local_cp_size)
-        gathered_hdr = torch.empty(G * local.numel(), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(gathered_hdr, local, group=mg)
-        hdr_dev = gathered_hdr.view(G, -1)
+        s = groups._size(local_cp_size)
+        everyone = torch.empty(groups.dp_size * local.numel(), dtype=torch.int64, device=device)
+        dist.all_gather_into_tensor(everyone, local, group=groups.group)
+        everyone = everyone.view(groups.dp_size, -1)
+        status = everyone[:, _MERGE_STATUS]
+        hdr_dev = everyone[groups.dp_rank % s :: s].contiguous()
     else:
         hdr_dev = local.view(1, -1)
+        status = hdr_dev[:, _MERGE_STATUS]
     if error is not None:
-        _raise_collected(op, hdr_dev[:, _MERGE_STATUS].cpu(), None if isinstance(error, CallerRejected) else error,
-                         "outputs")
+        _raise_collected(op, status.cpu(), None if isinstance(error, CallerRejected) else error, "outputs")
         raise error  # not reached: this rank's own status is 1
     # The index and the checks on the header's device, then the one host read: the check results,
     # the meta words and the merged lengths.
     buf, merged_at, src_at, cu = _merge_index(hdr_dev, B, validate)
-    host = buf[: merged_at + B].cpu()
+    if G > 1:  # the whole group's statuses ride along in the one host read
+        both = torch.cat([buf[: merged_at + B], status.to(buf.dtype)]).cpu()
+        host = both[: merged_at + B]
+        _raise_collected(op, both[merged_at + B :], None, "outputs")
+    else:
+        host = buf[: merged_at + B].cpu()
     words = host[:merged_at].tolist()
     checks, meta = words[: G + 2], words[G + 2 :]
     rows = [meta[g * M : (g + 1) * M] for g in range(G)]
