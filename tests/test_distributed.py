@@ -347,6 +347,26 @@ def check_dynamic_end_to_end(rank, world, backend):
     return True
 
 
+def _expect_rank_zero_rejects_its_outputs(rank, device, split):
+    """Rank 0 passes one output too many: it gets its own ValueError, every other rank a RuntimeError
+    naming rank 0 (not a hang)."""
+    n = len(split.plan.sample_ids)
+    outs = [torch.ones(2, device=device)] * (n + (1 if rank == 0 else 0))
+    if rank == 0:
+        _expect_raises(ValueError, "group holds .* sequences but the outputs have", lambda: dynamic_cp_merge(
+            _nested(outs, device), split))
+    else:
+        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
+                       lambda: dynamic_cp_merge(_nested(outs, device), split))
+
+
+def _expect_merge_in_sample_order(device, split, num_samples):
+    """A correct merge of per-sample outputs [i, i] comes back in sample order on every rank."""
+    outs = [torch.full((2,), float(i), device=device) for i in split.plan.sample_ids]
+    merged = dynamic_cp_merge(_nested(outs, device), split)
+    assert merged.values().cpu().tolist() == [float(i) for i in range(num_samples) for _ in range(2)]
+
+
 def check_dynamic_merge_error_reaches_every_group(rank, world, backend):
     """With several CP groups of several ranks (4 ranks, local_cp_size 2: merge groups {0, 2} and
     {1, 3}), a rank that rejects its outputs makes every rank raise, those of the other merge group
@@ -357,18 +377,8 @@ def check_dynamic_merge_error_reaches_every_group(rank, world, backend):
     lengths = [3, 4, 5, 6, 7, 8, 50]
     split = dynamic_cp_split(_nested(_sample_values(lengths), device), 32)
     assert split.local_cp_size == 2 and split.plan.num_groups == world // 2
-    n = len(split.plan.sample_ids)
-    outs = [torch.ones(2, device=device)] * (n + (1 if rank == 0 else 0))
-    if rank == 0:
-        _expect_raises(ValueError, "group holds .* sequences but the outputs have", lambda: dynamic_cp_merge(
-            _nested(outs, device), split))
-    else:
-        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
-                       lambda: dynamic_cp_merge(_nested(outs, device), split))
-    # Still in step: a correct merge on every rank.
-    outs = [torch.full((2,), float(i), device=device) for i in split.plan.sample_ids]
-    merged = dynamic_cp_merge(_nested(outs, device), split)
-    assert merged.values().cpu().tolist() == [float(i) for i in range(len(lengths)) for _ in range(2)]
+    _expect_rank_zero_rejects_its_outputs(rank, device, split)
+    _expect_merge_in_sample_order(device, split, len(lengths))  # still in step
     return True
 
 
@@ -411,21 +421,12 @@ def check_dynamic_errors(rank, world, backend):
     split = dynamic_cp_split(_nested(seqs, device), 64)
     assert split.plan.num_groups == world
     # Merge: one rank with a wrong number of sequences; then a dtype that differs across groups.
+    _expect_rank_zero_rejects_its_outputs(rank, device, split)
     n = len(split.plan.sample_ids)
-    outs = [torch.ones(2, device=device)] * (n + (1 if rank == 0 else 0))
-    if rank == 0:
-        _expect_raises(ValueError, "group holds .* sequences but the outputs have", lambda: dynamic_cp_merge(
-            _nested(outs, device), split))
-    else:
-        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs", lambda: dynamic_cp_merge(
-            _nested(outs, device), split))
     dtype = torch.float16 if rank == 1 else torch.float32
     outs = [torch.ones(2, dtype=dtype, device=device)] * n
     _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), split))
-    # Still in step: a correct merge.
-    outs = [torch.full((2,), float(i), device=device) for i in split.plan.sample_ids]
-    merged = dynamic_cp_merge(_nested(outs, device), split)
-    assert merged.values().cpu().tolist() == [float(i) for i in range(len(lengths)) for _ in range(2)]
+    _expect_merge_in_sample_order(device, split, len(lengths))  # still in step
     return True
 
 

@@ -683,7 +683,6 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     words = host[:merged_at].tolist()
     checks, meta = words[: G + 2], words[G + 2 :]
     rows = [meta[g * M : (g + 1) * M] for g in range(G)]
-    _raise_collected(op, [r[_MERGE_STATUS] for r in rows], None, "outputs")
     if any(r[_MERGE_SAME] != rows[0][_MERGE_SAME] for r in rows):
         raise RuntimeError(
             f"{op}: the groups' outputs disagree (dtype, feature shape, row bytes, keys, num_samples, "

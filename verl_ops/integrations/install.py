@@ -53,6 +53,12 @@ def _all_drop_ins() -> dict:
     return out
 
 
+def _verl_modules():
+    """(name, module) of every imported ``verl`` / ``verl.*`` module (a snapshot of sys.modules)."""
+    return [(n, m) for n, m in list(sys.modules.items())
+            if m is not None and (n == "verl" or n.startswith("verl."))]
+
+
 def _accepts(ours, theirs) -> bool:
     """verl's parameters are a prefix of ours, in order (every verl call site still binds the same)."""
     try:
@@ -129,9 +135,7 @@ def install(*, strict: bool = False, report: bool = False, owners=None):
             result["incompatible"].append(f"{owner}.{name}")
             continue
         originals[name] = theirs
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
-            continue
+    for mod_name, mod in _verl_modules():
         for name, theirs in originals.items():
             if getattr(mod, name, None) is theirs:
                 _ORIGINALS.setdefault((mod_name, name), theirs)
@@ -151,9 +155,7 @@ def uninstall() -> list[str]:
     drop_ins = _all_drop_ins()
     originals = {name: theirs for (_, name), theirs in _ORIGINALS.items()}
     restored = []
-    for mod_name, mod in list(sys.modules.items()):
-        if mod is None or not (mod_name == "verl" or mod_name.startswith("verl.")):
-            continue
+    for mod_name, mod in _verl_modules():
         for name, theirs in originals.items():
             if getattr(mod, name, None) is drop_ins[name]:
                 setattr(mod, name, theirs)
