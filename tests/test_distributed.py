@@ -382,6 +382,73 @@ def check_dynamic_merge_error_reaches_every_group(rank, world, backend):
     return True
 
 
+def check_dynamic_merge_disagreements(rank, world, backend):
+    """Ranks that disagree on what the merge's collectives look like (another micro-batch's split,
+    an empty dict of outputs, an unknown or another local_cp_size through the registered op) raise
+    on every rank instead of waiting in mismatched collectives; a correct merge still runs after."""
+    dist, device = _setup(rank, backend)
+    ops = torch.ops.verl_ops
+    name = DynamicCPGroups.for_group().group.group_name
+    split = dynamic_cp_split(_nested(_sample_values([3] * (2 * world)), device), 64)
+    other = dynamic_cp_split(_nested(_sample_values([3] * (2 * world + 1)), device), 64)
+    assert split.plan.num_groups == other.plan.num_groups == world
+    # Rank 0 merges with the split of another micro-batch (more samples: a longer header).
+    mine = other if rank == 0 else split
+    outs = [torch.ones(2, device=device)] * len(mine.plan.sample_ids)
+    _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), mine))
+    # An empty dict on rank 0 only; then on every rank.
+    outs = {} if rank == 0 else {"a": _nested([torch.ones(2, device=device)] * len(split.plan.sample_ids), device)}
+    _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(outs, split))
+    assert dynamic_cp_merge({}, split) == {}
+    # The registered op: rank 0 with a local_cp_size the group has no CP groups of, then with
+    # another valid one (one group for it, one per rank for the others).
+    B = world
+    values = torch.ones(1, 2, device=device)
+    lengths = torch.ones(1, dtype=torch.int64, device=device)
+    ids = torch.tensor([rank], dtype=torch.int64, device=device)
+    if rank == 0:
+        _expect_raises(ValueError, "local_cp_size must be one of", lambda: ops.dynamic_cp_merge(
+            values, lengths, ids, B, 3, name))
+    else:
+        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
+                       lambda: ops.dynamic_cp_merge(values, lengths, ids, B, 1, name))
+    _expect_raises(RuntimeError, "outputs disagree", lambda: ops.dynamic_cp_merge(
+        values, lengths, ids, B, world if rank == 0 else 1, name))
+    mv, ml = ops.dynamic_cp_merge(values * rank, lengths, ids, B, 1, name)
+    assert ml.tolist() == [1] * world and mv[:, 0].cpu().tolist() == [float(r) for r in range(world)]
+    _expect_merge_in_sample_order(device, split, 2 * world)  # still in step
+    return True
+
+
+def check_dynamic_split_too_large_for_int32(rank, world, backend):
+    """A plan whose first group holds more rows than int32 offsets take (rows without features: no
+    memory): the same ValueError on every rank, not only in that group."""
+    dist, device = _setup(rank, backend)
+    top = 2**31 - 1
+    lengths = [top - 10, 20] + [1] * (2 * world - 2)
+    values = torch.empty((sum(lengths), 0), device=device)
+    _expect_raises(ValueError, "would hold .* rows, more than the int32 offsets", lambda: dynamic_cp_split(
+        values, top, lengths=lengths))
+    split = dynamic_cp_split(_nested(_sample_values([2] * world), device), 64)  # still in step
+    _expect_merge_in_sample_order(device, split, world)
+    return True
+
+
+def check_dynamic_split_per_sample_only(rank, world, backend):
+    """A dict of per-sample tensors only, with lengths=: each follows the plan's selection (this
+    rank's group's samples, in order)."""
+    dist, device = _setup(rank, backend)
+    lengths = [5, 1, 9, 3, 7, 2, 8, 4][: 2 * world] + [6] * max(0, 2 * world - 8)
+    adv = torch.arange(len(lengths), dtype=torch.float32, device=device) * 0.5
+    ids = torch.arange(2 * len(lengths), device=device).view(-1, 2)
+    split = dynamic_cp_split({"adv": adv, "ids": ids}, 64, lengths=lengths, assignment="balanced")
+    assert split.plan.num_groups == world
+    mine = list(split.plan.sample_ids)
+    assert split.batch["adv"].cpu().tolist() == [0.5 * i for i in mine]
+    assert split.batch["ids"].cpu().tolist() == [[2 * i, 2 * i + 1] for i in mine]
+    return True
+
+
 def check_dynamic_all_empty_outputs(rank, world, backend):
     dist, device = _setup(rank, backend)
     lengths = [2] * (2 * world)
@@ -611,7 +678,8 @@ def _merge_cases(world, rng):
 def check_merge_reference(rank, world, backend, seed):
     """dynamic_cp_merge equals its definition: sample i's output rows, taken from the group that
     holds i, in sample order; through the Python API and the registered op, with each rank's
-    sequences in a shuffled order, with and without validate; one host read per op call."""
+    sequences in a shuffled order, with and without validate; two host reads per op call (the
+    ranks' fixed-size agreement, then the index)."""
     dist, device = _setup(rank, backend)
     ops = torch.ops.verl_ops
     groups = DynamicCPGroups.for_group()
@@ -650,7 +718,8 @@ def check_merge_reference(rank, world, backend, seed):
                 )
                 assert ml.device.type == "cpu" and ml.tolist() == out_lengths, what
                 assert torch.equal(mv.cpu(), expected), what
-                assert transfers == 1 and others == [], (what, transfers, others)
+                # two host reads: the fixed-size agreement of every rank, then this merge's index
+                assert transfers == 2 and others == [], (what, transfers, others)
     assert interleaved  # the balanced assignment gave some group non-consecutive samples
     return True
 
@@ -743,6 +812,18 @@ def test_dynamic_errors_raise_on_every_rank(dist_run):
 
 def test_dynamic_merge_error_reaches_every_group(dist_run):
     assert all(dist_run("check_dynamic_merge_error_reaches_every_group"))
+
+
+def test_dynamic_merge_disagreements_raise_on_every_rank(dist_run):
+    assert all(dist_run("check_dynamic_merge_disagreements", timeout_s=60.0))
+
+
+def test_dynamic_split_too_large_for_int32(dist_run):
+    assert all(dist_run("check_dynamic_split_too_large_for_int32", timeout_s=60.0))
+
+
+def test_dynamic_split_per_sample_only(dist_run):
+    assert all(dist_run("check_dynamic_split_per_sample_only"))
 
 
 def test_dynamic_groups_of_a_subgroup(dist_run):
@@ -879,6 +960,9 @@ def test_split_merge_without_distributed():
     assert torch.equal(merged.values(), nt.values())
     vals, lens = dynamic_cp_split(torch.cat(seqs), 8, lengths=lengths).batch
     assert torch.equal(vals, torch.cat(seqs)) and lens.tolist() == lengths
+    # Per-sample tensors only, with lengths=: the whole batch.
+    only = dynamic_cp_split({"advantages": adv}, 8, lengths=lengths)
+    assert only.local_cp_size == 1 and torch.equal(only.batch["advantages"], adv)
     # The selection is differentiable.
     x = torch.cat(seqs).requires_grad_()
     v, _ = dynamic_cp_split(x, 8, lengths=lengths).batch

@@ -255,6 +255,11 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
                 free = lib.forward_backward(ours, batch, our_pack, replay="record", device=device, backward=False)
             free_routes = merge_router_topk_indices(None, batch.input_ids, free.recorded, cfg)
             entry["free_routing_agree"] = _route_pairs(_routes_values(free_routes), _routes_values(routes))
+            # A log-prob pass under torch.inference_mode: the layout's offsets are then inference
+            # tensors (no version counter); the same per-token loss as under no_grad.
+            with torch.inference_mode():
+                inf = lib.forward_backward(ours, batch, our_pack, replay="record", device=device, backward=False)
+            entry["inference_mode_err"] = _err(inf.loss_per_token, free.loss_per_token, metric)
         mine = lib.forward_backward(ours, batch, our_pack, replay=list(targets), device=device)
         entry["tokens"] = int(got.loss_per_token.numel())
         entry["loss_err"] = _err(mine.loss_per_token, got.loss_per_token, metric)
@@ -659,6 +664,10 @@ def test_training_steps_match_reference(case):
                 f"recorded ones per layer: {e['targets_equal_recorded']}"
             )
             if step == 0:
+                assert e["inference_mode_err"] <= tol["loss"], (
+                    f"{what}: under torch.inference_mode the per-token loss differs from no_grad's: "
+                    f"{tol['metric']} error {e['inference_mode_err']:.3g} > {tol['loss']:g}"
+                )
                 same, n = e["free_routing_agree"]
                 need = n if dtype_name == "float32" else int(0.95 * n)
                 assert same >= need, (

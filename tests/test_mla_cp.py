@@ -437,6 +437,31 @@ def check_cached_offsets_do_not_change_collectives(rank, world, backend):
     return True
 
 
+def check_under_inference_mode(rank, world, backend):
+    """A forward under torch.inference_mode, its offsets made there (a tensor without a version
+    counter): the right rows on every rank, call after call, the offsets changed in place between
+    calls included (nothing may be remembered on such a tensor)."""
+    dist, device = _setup(rank, backend)
+    group = dist.group.WORLD
+    dtype, dqk, dv = _kind(device)
+    for lengths in ([6, 13, 0, 2], [9, 4, 8, 3]):  # as many sequences: one offsets tensor for both
+        layout = ThdLayout.from_lengths(lengths, cp_size=world, cp_layout="zigzag")
+        rows = rank_rows(layout.cu_seqlens_padded_cpu.tolist(), world, rank, "zigzag")
+        q, k, v, grad = _full_batch(11, layout.total_padded, 2, dqk, dv, dtype)
+        want = _attend(q, k, v, grad, layout.cu_seqlens_padded_cpu, layout.max_seqlen, None)[0][rows]
+        with torch.inference_mode():
+            if lengths[0] == 6:
+                cu = layout.cu_seqlens_padded_cpu.clone()
+            else:
+                cu.copy_(layout.cu_seqlens_padded_cpu)  # in place: the same tensor, other offsets
+            assert cu.is_inference()
+            for _ in range(2):
+                out = verl_ops.mla_cp_attention(q[rows].to(device), k[rows].to(device), v[rows].to(device), cu,
+                                                layout.max_seqlen, cp_group=group)
+                _assert_close(f"rank {rank} {lengths}", out.cpu(), want.cpu(), TOL[dtype])
+    return True
+
+
 # --------------------------------------------------------------------------------------------
 # Tests.
 
@@ -500,3 +525,7 @@ def test_without_distributed():
     with pytest.raises(ValueError, match=f"{OP}.*cp_layout"):
         verl_ops.mla_cp_attention(*(torch.zeros(0, 1, 8, dtype=torch.float64) for _ in range(3)),
                                   torch.zeros(1, dtype=torch.int32), 0, cp_layout="ring")
+
+
+def test_under_inference_mode(dist_run):
+    dist_run("check_under_inference_mode", timeout_s=60.0)

@@ -5,11 +5,13 @@ bad input."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
 import verl_ops
-from verl_ops._rope import mla_rope, thd_rope_positions
+from verl_ops._rope import mla_rope, thd_rope_plan, thd_rope_positions
 
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
@@ -197,16 +199,24 @@ def megatron_thd_positions(lengths, cp, rank, packed):
     return torch.tensor(out, dtype=torch.int64)
 
 
+@pytest.mark.parametrize("device", devices())
 @pytest.mark.parametrize("cp", [1, 2, 4])
 @pytest.mark.parametrize("packed", [False, True])
-def test_thd_positions(cp, packed):
-    lengths = [0, 2 * cp, 6 * cp, 4 * cp, 2 * cp]
-    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
-    for rank in range(cp):
-        want = megatron_thd_positions(lengths, cp, rank, packed)
-        got = thd_rope_positions(cu, sum(lengths) // cp, cp, rank, packed)
-        assert torch.equal(got, want), (cp, rank, got, want)
-    assert thd_rope_positions(cu, sum(lengths) // cp + 1, cp, 0, packed) is None
+def test_thd_positions(cp, packed, device):
+    """Megatron's positions, built on the device asked for; the plan's largest position is theirs."""
+    rng = random.Random(cp * 10 + packed)
+    cases = [[0, 2 * cp, 6 * cp, 4 * cp, 2 * cp], [2 * cp], [0, 0], []]
+    cases += [[2 * cp * rng.randint(0, 40) for _ in range(rng.randint(1, 9))] for _ in range(5)]
+    for lengths in cases:
+        cu = torch.tensor([0] + list(torch.tensor(lengths, dtype=torch.int64).cumsum(0)), dtype=torch.int32)
+        for rank in range(cp):
+            want = megatron_thd_positions(lengths, cp, rank, packed)
+            got = thd_rope_positions(cu, sum(lengths) // cp, cp, rank, packed, device=device)
+            assert got.device.type == device and got.dtype == torch.int64
+            assert torch.equal(got.cpu(), want), (lengths, cp, rank, got, want)
+            top = thd_rope_plan(cu, sum(lengths) // cp, cp, rank, packed)[1]
+            assert top == (int(want.max()) if want.numel() else -1), (lengths, cp, rank)
+        assert thd_rope_positions(cu, sum(lengths) // cp + 1, cp, 0, packed, device=device) is None
 
 
 @pytest.mark.parametrize("cp", [1, 2])
@@ -243,6 +253,33 @@ def test_fast_thd_rope_equals_megatrons(cp, dtype):
     t = torch.randn(sum(lengths) // cp, 3, 8, generator=g)
     kw = dict(rotary_interleaved=True, mscale=1.0, cp_group=_Group(cp, 0))
     assert torch.equal(fast(t, cu, freqs, **kw), original(t, cu, freqs, **kw))
+
+
+@pytest.mark.parametrize("cp", [1, 2])
+def test_fast_thd_rope_under_inference_mode(cp):
+    """Under torch.inference_mode the offsets and the frequency table are inference tensors (no
+    version counter): megatron-core's rows, call after call, the offsets changed in place between
+    calls included (nothing is remembered on such a tensor)."""
+    rope_utils = pytest.importorskip("megatron.core.models.common.embeddings.rope_utils")
+    from verl_ops.integrations.megatron_mla import fast_thd_rope
+
+    original = getattr(rope_utils._apply_rotary_pos_emb_thd, "__wrapped__", rope_utils._apply_rotary_pos_emb_thd)
+    fast = fast_thd_rope(original)
+    mla_kw = "mla_rotary_interleaved" if "mla_rotary_interleaved" in original.__code__.co_varnames else (
+        "multi_latent_attention")
+    g = torch.Generator().manual_seed(11)
+    with torch.inference_mode():
+        freqs = rope_freqs(16 * cp, 8)[:, None, None, :]
+        cu = torch.zeros(4, dtype=torch.int32)
+        for lengths in ([2 * cp, 10 * cp, 4 * cp], [8 * cp, 2 * cp, 6 * cp]):  # one total, other offsets
+            cu.copy_(torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32))
+            assert cu.is_inference() and freqs.is_inference()
+            for rank in range(cp):
+                t = torch.randn(sum(lengths) // cp, 3, 8, generator=g)
+                kw = {"rotary_interleaved": False, "mscale": 1.1, "cp_group": _Group(cp, rank), mla_kw: True}
+                want = original(t, cu, freqs, **kw)
+                for _ in range(2):
+                    assert torch.equal(fast(t, cu, freqs, **kw), want), (lengths, rank)
 
 
 def test_bad_input():

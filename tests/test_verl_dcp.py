@@ -463,11 +463,20 @@ def test_adapter_errors(td, monkeypatch):
             return self.assignment
 
     _stand_in_owner(monkeypatch, Unaligned)
-    with pytest.raises(RuntimeError, match=r"^Dynamic CP group \[1, 2\] is not aligned to its size$"):
-        s.schedule(make_batch(td, [3, 5, 7]), FakeGroup(4, rank=1), tp_size=1)
+    # Every rank raises, not only the bad group's members: the ranks whose own group is fine would
+    # otherwise go on to the micro-batch's collectives and wait there for the others.
+    for rank in range(4):
+        with pytest.raises(RuntimeError, match=r"^Dynamic CP group \[1, 2\] is not aligned to its size$"):
+            s.schedule(make_batch(td, [3, 5, 7]), FakeGroup(4, rank=rank), tp_size=1)
     Unaligned.assignment = [[[0], [1], [0], [2]]]
-    with pytest.raises(RuntimeError, match=r"^Dynamic CP group members must be contiguous, got \[0, 2\]$"):
-        s.schedule(make_batch(td, [3, 5, 7]), FakeGroup(4, rank=0), tp_size=1)
+    for rank in range(4):
+        with pytest.raises(RuntimeError, match=r"^Dynamic CP group members must be contiguous, got \[0, 2\]$"):
+            s.schedule(make_batch(td, [3, 5, 7]), FakeGroup(4, rank=rank), tp_size=1)
+    # Two bad groups: a member of either gets its own group's error (verl's), the others the first one's.
+    Unaligned.assignment = [[[0], [1], [0], [1]]]
+    for rank, bad in ((0, "0, 2"), (1, "1, 3"), (2, "0, 2"), (3, "1, 3")):
+        with pytest.raises(RuntimeError, match=rf"^Dynamic CP group members must be contiguous, got \[{bad}\]$"):
+            s.schedule(make_batch(td, [3, 5, 7]), FakeGroup(4, rank=rank), tp_size=1)
     for bad in ([[[0], [1], [], [2]]], [[[0], [1], [2]]]):
         Unaligned.assignment = bad
         with pytest.raises(RuntimeError, match=r"^Megatron-Core Dynamic CP must assign all 4 ranks in every micro-batch$"):

@@ -896,6 +896,44 @@ class TestRealVerl:
         assert compared > 0
 
     @pytest.mark.parametrize("roll", [False, True])
+    def test_under_inference_mode(self, real_verl, real_mpu, monkeypatch, roll):
+        """A log-prob pass under torch.inference_mode, its nested batch made there (tensors without
+        a version counter): every drop-in gives verl's rows, twice in a row (a second call must not
+        reuse anything remembered on such a tensor)."""
+        lengths = [7, 1, 12, 5]
+        with torch.inference_mode():
+            x = nested(make_seqs(lengths, "ids", seed=3))
+            xp, mask = make_padded(make_seqs(lengths, "hidden", seed=3), S=16, seed=3)
+            for cp, rank in CP_RANKS:
+                real_mpu.cp, real_mpu.cp_rank = cp, rank
+                theirs, their_psp, their_pos = real_verl.preprocess_thd_engine(x, need_roll=roll)
+                for _ in range(2):
+                    ours, our_psp, our_pos = vi.preprocess_thd_engine(x, need_roll=roll)
+                    _same_psp(our_psp, their_psp)
+                    assert torch.equal(ours, theirs) and torch.equal(our_pos, their_pos), (cp, rank)
+                theirs, their_psp = real_verl.preprocess_packed_seqs(xp, mask)
+                for _ in range(2):
+                    ours, our_psp = vi.preprocess_packed_seqs(xp, mask)
+                    _same_psp(our_psp, their_psp)
+                    assert torch.equal(ours, theirs), (cp, rank)
+            for cp in CPS:
+                real_mpu.cp = cp
+                outs, psps = [], []
+                for rank in range(cp):
+                    real_mpu.cp_rank = rank
+                    packed, psp, _ = vi.preprocess_thd_engine(x)
+                    outs.append(packed.float() * 2 + rank)
+                    psps.append(psp)
+                for rank in range(cp):
+                    real_mpu.cp_rank = rank
+                    monkeypatch.setattr(torch.distributed, "all_gather", verl_stubs.fake_all_gather(outs, rank))
+                    theirs = real_verl.postprocess_thd_engine(outs[rank], psps[rank], x, len(lengths))
+                    for _ in range(2):
+                        ours = vi.postprocess_thd_engine(outs[rank], psps[rank], x, len(lengths))
+                        for a, t in zip(ours.unbind(), theirs.unbind()):
+                            assert torch.equal(a, t), (cp, rank)
+
+    @pytest.mark.parametrize("roll", [False, True])
     @pytest.mark.parametrize("fp8", [False, True])
     @pytest.mark.parametrize(
         "min_local_rows,bucket", [(64, None), (None, 48), (40, 24)], ids=["minrows", "bucket", "both"]

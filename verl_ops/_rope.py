@@ -90,26 +90,62 @@ def mla_rope(
 
 
 def thd_rope_positions(cu_seqlens: torch.Tensor, rows: int, cp_size: int = 1, cp_rank: int = 0,
-                       packed_freqs: bool = False) -> torch.Tensor | None:
-    """Each local THD row's RoPE position (int64 ``[rows]``, on the host), as Megatron-Core's
-    ``_apply_rotary_pos_emb_thd`` assigns them: sequence ``i`` has ``(cu[i+1] - cu[i]) // cp_size``
-    local rows; without CP they are positions ``0 ..``; with CP the local rows are the zigzag chunks
-    ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of the sequence; ``packed_freqs`` (the frequency
-    table has a row per packed token) adds the sequence's offset ``cu[i]``. ``None`` when the rows do
-    not add up to ``rows`` (Megatron's own code then reports the mismatch)."""
-    cu = cu_seqlens.detach().to("cpu", torch.int64)
-    local = (cu[1:] - cu[:-1]) // cp_size
-    if int(local.sum()) != rows:
+                       packed_freqs: bool = False, device=None) -> torch.Tensor | None:
+    """Each local THD row's RoPE position (int64 ``[rows]``, on ``device``: default the host), as
+    Megatron-Core's ``_apply_rotary_pos_emb_thd`` assigns them: sequence ``i`` has
+    ``(cu[i+1] - cu[i]) // cp_size`` local rows; without CP they are positions ``0 ..``; with CP the
+    local rows are the zigzag chunks ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of the sequence;
+    ``packed_freqs`` (the frequency table has a row per packed token) adds the sequence's offset
+    ``cu[i]``. ``None`` when the rows do not add up to ``rows`` (Megatron's own code then reports
+    the mismatch). ``cu_seqlens`` is read on the host; on a GPU the positions are built there from
+    the per-sequence values (one small copy, a few launches, no host loop over the rows)."""
+    plan = thd_rope_plan(cu_seqlens, rows, cp_size, cp_rank, packed_freqs)
+    if plan is None:
         return None
-    starts = torch.cumsum(local, 0) - local
-    seq = torch.repeat_interleave(torch.arange(local.numel()), local)
-    j = torch.arange(rows, dtype=torch.int64) - starts[seq]
+    return positions_from_plan(plan[0], rows, cp_size, cp_rank, packed_freqs, device)
+
+
+def positions_from_plan(per: torch.Tensor, rows: int, cp_size: int, cp_rank: int, packed_freqs: bool,
+                        device=None) -> torch.Tensor:
+    """:func:`thd_rope_positions` from :func:`thd_rope_plan`'s ``per`` (host ``[3, B]``)."""
+    from .layout import _to_device
+
+    dev = torch.device("cpu") if device is None else torch.device(device)
+    per = _to_device(per, dev) if dev.type != "cpu" else per
+    starts, local, base = per[0], per[1], per[2]
+    seq = torch.repeat_interleave(torch.arange(local.numel(), device=dev), local, output_size=rows)
+    j = torch.arange(rows, dtype=torch.int64, device=dev) - starts[seq]
     if cp_size > 1:
-        seg = local[seq] // 2
+        seg = (local // 2)[seq]
         full = cp_size * local[seq]
         pos = torch.where(j < seg, cp_rank * seg + j, full - (cp_rank + 1) * seg + (j - seg))
     else:
         pos = j
     if packed_freqs:
-        pos = pos + cu[:-1][seq]
+        pos = pos + base[seq]
     return pos
+
+
+def thd_rope_plan(cu_seqlens: torch.Tensor, rows: int, cp_size: int = 1, cp_rank: int = 0,
+                  packed_freqs: bool = False):
+    """``(per, top)`` of :func:`thd_rope_positions`, on the host: ``per`` int64 ``[3, B]``, each
+    sequence's first local row, local rows and position offset (``cu[i]`` with ``packed_freqs``,
+    else 0), and ``top`` the largest position of any row (-1 with no rows), computed from them
+    alone; ``None`` when the rows do not add up to ``rows``."""
+    cu = cu_seqlens.detach().to("cpu", torch.int64)
+    local = (cu[1:] - cu[:-1]) // cp_size
+    if int(local.sum()) != rows:
+        return None
+    starts = torch.cumsum(local, 0) - local
+    base = cu[:-1] if packed_freqs else torch.zeros_like(local)
+    # Positions grow with the row inside a sequence (the second zigzag chunk's lie above the
+    # first's), so a sequence's largest is its last local row's.
+    j = local - 1
+    if cp_size > 1:
+        seg = local // 2
+        last = torch.where(j < seg, cp_rank * seg + j, cp_size * local - (cp_rank + 1) * seg + (j - seg))
+    else:
+        last = j
+    last = torch.where(local > 0, last + base, torch.full_like(local, -1))
+    top = int(last.max()) if last.numel() else -1
+    return torch.stack([starts, local, base]), top

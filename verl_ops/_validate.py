@@ -63,6 +63,16 @@ def is_meta(t) -> bool:
     return isinstance(t, torch.Tensor) and t.is_meta
 
 
+def version_of(t: torch.Tensor):
+    """``t._version``, or None where ``t`` tracks no version counter (an inference tensor, made under
+    ``torch.inference_mode``). What is remembered on a tensor is keyed by its version, so that an
+    in-place change invalidates it; a tensor without one gets nothing remembered on it."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
+
+
 def host_values_required(op: str, name: str, what: str = "lengths", hint: str | None = None) -> ValueError:
     """The error for a meta tensor whose values an op must read (they decide output shapes)."""
     if hint is None:

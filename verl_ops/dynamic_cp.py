@@ -21,10 +21,11 @@ group under verl's dynamic CP) all hold the same micro-batch. For a micro-batch:
   fewer sequences, then the lower index); each group keeps its sequences in the original order.
 
 Merge gathers the groups' outputs over the ranks that share a CP rank (one rank per group, a
-group of ``dp_size // local_cp_size`` ranks), with tensor collectives: a fixed-size header with
-the per-sequence lengths first (gathered over the whole DPxCP group, so that a rejected output
-makes every rank raise), then one all-gather of the values (padded to the largest group),
-and one jagged_gather that restores the sample order. Every rank issues the same collectives
+group of ``dp_size // local_cp_size`` ranks), with tensor collectives, over the whole DPxCP group first (so that a rejected output
+makes every rank raise): 9 words per rank that every rank must agree on (status, num_samples,
+local_cp_size, dtype, feature shape, keys and plan hashes), then, with the width those fix, the
+headers with the per-sequence lengths and sample ids; then one all-gather of the values over the
+merge group (padded to the largest group) and one jagged_gather that restores the sample order. Every rank issues the same collectives
 whatever its data; inputs that disagree across ranks raise on every rank instead of hanging.
 
 This module holds the whole op family: the ops ``dynamic_cp_split`` / ``dynamic_cp_merge``
@@ -512,6 +513,14 @@ def _split_impl(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, ass
         if values.dim() < 1 or values.shape[0] != sum(ls):
             raise ValueError(f"{op}: values must be [sum(lengths)={sum(ls)}, *F], got {tuple(values.shape)}")
         plan = _plan(op, ls, dp_size, max_seqlen_per_dp_cp_rank, dp_rank=dp_rank, assignment=ASSIGNMENTS[assignment])
+        # Every group's rows, not only this rank's: the plan is the same on every rank, so a group
+        # too large for the selection's int32 offsets makes every rank raise the same error here.
+        largest = max(plan.group_tokens(), default=0)
+        if largest > INT32_MAX:
+            raise ValueError(
+                f"{op}: a CP group of this plan would hold {largest} rows, more than the int32 offsets of "
+                f"the selection take ({INT32_MAX})"
+            )
     except Exception as e:  # every rank still joins the exchange below; re-raised after it
         error = e
     if groups is not None and dp_size > 1 and validate:
@@ -618,90 +627,123 @@ def _raise_header_errors(op: str, rows: list, B: int):
     raise RuntimeError(f"{op}: the header checks on the device and on the host disagree (header: {rows})")
 
 
+def _merge_meta(values, lengths, num_samples, local_cp_size, key_hash) -> list:
+    """This rank's 8 meta words (the header's, see above), from host-known shapes only."""
+    feat = tuple(values.shape[1:])
+    return [
+        lengths.numel(), values.shape[0], _crc(str(values.dtype)), _crc(feat),
+        math.prod(feat) * values.element_size(), key_hash, num_samples, local_cp_size,
+    ]
+
+
+_MERGE_WHAT = "dtype, feature shape, row bytes, keys, num_samples, local_cp_size"
+
+
+def _merge_agree(op: str, groups: DynamicCPGroups, meta: list | None, error) -> list:
+    """The merge's first exchange, over the whole DPxCP group: one fixed-size int64 row per rank
+    (its status, then its 8 meta words; zeros where ``meta`` is None) and one host read. Raises on
+    every rank when a rank failed or when the ranks disagree on the words every rank must share;
+    returns the meta rows. Its width is fixed, so it is safe whatever the ranks passed: the second
+    exchange's width (2 * num_samples) is agreed on before it is issued."""
+    words = [1 if error is not None else 0] + (list(meta) if meta is not None else [0] * 8)
+    rows = _all_gather_words(words, groups.group, groups.device, groups.dp_size)
+    _raise_collected(op, rows[:, 0], None if isinstance(error, CallerRejected) else error, "outputs")
+    meta_rows = rows[:, 1:].tolist()
+    if any(r[_MERGE_SAME] != meta_rows[0][_MERGE_SAME] for r in meta_rows):
+        raise RuntimeError(
+            f"{op}: the ranks' outputs disagree ({_MERGE_WHAT} hashes per rank: "
+            f"{[r[_MERGE_SAME] for r in meta_rows]})"
+        )
+    return meta_rows
+
+
 def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_name=None, validate=True,
                 key_hash=0, rank_error=False):
     op = "dynamic_cp_merge"
     groups = _groups_of(op, group_name)
-    G = 1 if groups is None else groups.dp_size // groups._size(local_cp_size)
-    error = local = None
+    # With a group every rank joins the first exchange, whatever it was given: a rank that raised
+    # alone (bad arguments, an unknown local_cp_size) would leave the others waiting in it.
+    named = groups is not None and groups.dp_size > 1
+    error = local = meta = None
     B = num_samples
     M = _MERGE_META
     missing = _merge_dense.none_error((values, lengths, sample_ids))
-    if missing is not None and G == 1:
+    if missing is not None and not named:
         raise missing  # no exchange to join
-    device = groups.device if groups is not None and G > 1 else values.device
-    valid_b = isinstance(B, int) and not isinstance(B, bool) and 0 <= B <= INT32_MAX
+    device = groups.device if named else values.device
+    s = 1
     try:
         if rank_error:
             raise CallerRejected()
         if missing is not None:
             raise missing
-        if not valid_b:
+        if not (isinstance(B, int) and not isinstance(B, bool) and 0 <= B <= INT32_MAX):
             raise ValueError(f"{op}: num_samples must be an int >= 0, got {B!r}")
         if groups is None and local_cp_size != 1:
             raise ValueError(
                 f"{op}: local_cp_size must be 1 without a process group (dp_size = 1), got {local_cp_size!r}"
             )
+        if groups is not None:
+            s = groups._size(local_cp_size)
         check_merge_entries(op, lengths, sample_ids, B)
         if values.dim() < 1:
             raise ValueError(f"{op}: values must be [rows, *F], got a 0-d tensor")
+        meta = _merge_meta(values, lengths, B, local_cp_size, key_hash)
         local = _merge_header(values, lengths, sample_ids, B, local_cp_size, key_hash, device)
-    except Exception as e:  # every rank still joins the exchange below; re-raised after it
+    except Exception as e:  # every rank still joins the first exchange; re-raised after it
         error = e
-    if local is None:
-        # The header's width where num_samples is valid (every rank's row has one width), else the
-        # meta words alone: the status goes out without allocating for an unusable num_samples.
-        local = torch.zeros(M + 2 * B if valid_b else M, dtype=torch.int64, device=device)
-        local[_MERGE_STATUS] = 1
+    if named:
+        meta_rows = _merge_agree(op, groups, meta, error)
+    elif error is not None:
+        _raise_collected(op, [1], None if isinstance(error, CallerRejected) else error, "outputs")
+    else:
+        meta_rows = [meta]
+    G = len(meta_rows) // s
+    # The merge groups: every s-th rank from CP rank c (merge_group's members); this rank's is c0.
+    c0 = groups.dp_rank % s if named else 0
+    members = [meta_rows[c::s] for c in range(s)]
+    # Every merge group's rows must fit jagged_gather's int32 offsets: checked for all of them, so
+    # that every rank raises the same error.
+    total = max(sum(r[_MERGE_ROWS] for r in m) for m in members)
+    if total > INT32_MAX:
+        raise ValueError(f"{op}: {total} merged rows do not fit the int32 offsets of jagged_gather")
     if G > 1:
-        # The headers of the whole DPxCP group (not only of this rank's merge group): a rank that
-        # rejects its outputs makes every rank raise, those of the other merge groups included, which
-        # would otherwise finish their merge and wait in their next collective with it. This rank's
-        # merge group is every local_cp_size-th row from its CP rank on (merge_group's members).
-        dist = _dist()
-        s = groups._size(local_cp_size)
+        # The second exchange: the headers (lengths and sample ids, 9 + 2 B words: the width every
+        # rank agreed on) of the whole DPxCP group, so that every merge group's lengths and ids are
+        # checked on every rank and a bad one makes every rank raise.
         everyone = torch.empty(groups.dp_size * local.numel(), dtype=torch.int64, device=device)
-        dist.all_gather_into_tensor(everyone, local, group=groups.group)
+        _dist().all_gather_into_tensor(everyone, local, group=groups.group)
         everyone = everyone.view(groups.dp_size, -1)
-        status = everyone[:, _MERGE_STATUS]
-        hdr_dev = everyone[groups.dp_rank % s :: s].contiguous()
+        hdrs = {c: everyone[c::s].contiguous() for c in (range(s) if validate else (c0,))}
     else:
-        hdr_dev = local.view(1, -1)
-        status = hdr_dev[:, _MERGE_STATUS]
-    if error is not None:
-        _raise_collected(op, status.cpu(), None if isinstance(error, CallerRejected) else error, "outputs")
-        raise error  # not reached: this rank's own status is 1
-    # The index and the checks on the header's device, then the one host read: the check results,
-    # the meta words and the merged lengths.
-    buf, merged_at, src_at, cu = _merge_index(hdr_dev, B, validate)
-    if G > 1:  # the whole group's statuses ride along in the one host read
-        both = torch.cat([buf[: merged_at + B], status.to(buf.dtype)]).cpu()
-        host = both[: merged_at + B]
-        _raise_collected(op, both[merged_at + B :], None, "outputs")
-    else:
-        host = buf[: merged_at + B].cpu()
-    words = host[:merged_at].tolist()
-    checks, meta = words[: G + 2], words[G + 2 :]
-    rows = [meta[g * M : (g + 1) * M] for g in range(G)]
-    if any(r[_MERGE_SAME] != rows[0][_MERGE_SAME] for r in rows):
-        raise RuntimeError(
-            f"{op}: the groups' outputs disagree (dtype, feature shape, row bytes, keys, num_samples, "
-            f"local_cp_size hashes per group: {[r[_MERGE_SAME] for r in rows]})"
-        )
-    merged_lengths = host[merged_at:].clone()  # a tensor of its own (no storage offset), as the fake's
+        hdrs = {c0: local.view(1, -1)}
+    # The index and the checks on the header's device (a launch per merge group checked), then one
+    # host read: this group's check words and merged lengths, and the other groups' check words.
+    found = {c: _merge_index(h, B, validate) for c, h in hdrs.items()}
+    buf, merged_at, src_at, cu = found[c0]
+    others = [c for c in hdrs if c != c0]
+    parts = [buf[: merged_at + B]] + [found[c][0][: G + 2] for c in others]
+    host = torch.cat(parts).cpu() if others else parts[0].cpu()
+    checks = {c0: host[: G + 2].tolist()}
+    for k, c in enumerate(others):
+        at = merged_at + B + k * (G + 2)
+        checks[c] = host[at : at + G + 2].tolist()
+    merged_lengths = host[merged_at : merged_at + B].clone()  # a tensor of its own, as the fake's
     if validate:
-        if not (all(checks[:G]) and (B == 0 or min(checks[G:]) >= 0) and sum(r[_MERGE_N] for r in rows) == B):
-            _raise_header_errors(op, hdr_dev.cpu().tolist(), B)
-        total = sum(r[_MERGE_ROWS] for r in rows)  # every row of every group is merged once
+        for c in sorted(hdrs):  # in one order on every rank: the same error everywhere
+            ck = checks[c]
+            if not (all(ck[:G]) and (B == 0 or min(ck[G:]) >= 0) and sum(r[_MERGE_N] for r in members[c]) == B):
+                _raise_header_errors(op, hdrs[c].cpu().tolist(), B)
+        total = sum(r[_MERGE_ROWS] for r in members[c0])  # every row of every group is merged once
     else:
-        total = checks[G]
+        total = checks[c0][G]
     if total > INT32_MAX:
         raise ValueError(f"{op}: {total} merged rows do not fit the int32 offsets of jagged_gather")
     feat = tuple(values.shape[1:])
-    row_bytes = rows[0][_MERGE_ROW_BYTES]
+    row_bytes = meta_rows[0][_MERGE_ROW_BYTES]
     if row_bytes == 0 or total == 0:
         return values.new_zeros((total, *feat)), merged_lengths
-    max_total = max(r[_MERGE_ROWS] for r in rows)
+    max_total = max(r[_MERGE_ROWS] for r in members[c0])
     local_rows = values.detach().contiguous().view(values.shape[0], math.prod(feat))
     if local_rows.stride(-1) != 1:  # a one-element view keeps its stride: make it dense for the byte view
         local_rows = local_rows.clone(memory_format=torch.contiguous_format)
@@ -918,9 +960,17 @@ def dynamic_cp_split(
         _reject_everywhere(
             lambda: _ops.dynamic_cp_split(empty, empty, 1, name, 0, True, True), e, collective
         )
-    first = next((n for n, it in items.items() if it.kind != "dense"), None)
-    ref = items[first]
-    values = ref.tensor.values() if ref.kind == "nested" else ref.tensor
+    jagged = [n for n, it in items.items() if it.kind != "dense"]
+    if jagged:
+        first = jagged[0]
+        ref = items[first]
+        values = ref.tensor.values() if ref.kind == "nested" else ref.tensor
+    else:
+        # Only per-sample tensors [B, ...], with lengths=: the op plans and checks the batch on
+        # rows without features; the per-sample tensors follow its selection.
+        first = None
+        device = next((it.tensor.device for it in items.values()), torch.device("cpu"))
+        values = torch.empty((sum(lens), 0), device=device)
     host_lengths = torch.tensor(lens, dtype=torch.int64)
     sel, local_lengths, sample_ids, local_cp_size = _ops.dynamic_cp_split(
         values, host_lengths, max_seqlen_per_dp_cp_rank, name, ASSIGNMENTS.index(assignment), bool(validate)
@@ -931,7 +981,7 @@ def dynamic_cp_split(
         local = {n: (it.tensor, host_lengths) if it.kind == "values" else it.tensor for n, it in items.items()}
         local = local[None] if single else local
     else:
-        local = _select(items, list(plan.lengths), plan.sample_ids, single, done={first: sel})
+        local = _select(items, list(plan.lengths), plan.sample_ids, single, done={first: sel} if jagged else None)
     cp_group = groups.cp_group(plan.local_cp_size) if groups is not None else None
     return DynamicCPSplit(local, plan.local_cp_size, cp_group, plan, groups)
 
@@ -977,23 +1027,38 @@ def dynamic_cp_merge(outputs, split: DynamicCPSplit, *, lengths=None):
         Same form as ``outputs`` for the whole batch (B sequences): a nested tensor, or
         ``(values, lengths int64)``, or a dict. Forward-only: the result carries no gradient.
 
-    Collectives (over the ranks sharing this CP rank; none when there is one group): one
-    all-gather of a fixed-size int64 header with the lengths and sample ids (the one host read),
-    then one all-gather of the values as bytes; the reorder index is computed from the header with
-    tensor ops. A rank with a wrong number of sequences, or ranks disagreeing on dtype, feature
-    shape, plan or keys, make every rank raise.
+    Collectives (none when there is one group): over the whole DPxCP group, one all-gather of 9
+    int64 words per rank (status, counts, dtype / shape / key hashes, ``num_samples``,
+    ``local_cp_size``: a host read), then, once every rank agrees on them, one all-gather of the
+    headers with the lengths and sample ids (the reorder index and its checks computed from them
+    with tensor ops, a second host read); then one all-gather of the values as bytes over the
+    ranks sharing this CP rank. A rank with a wrong number of sequences, another micro-batch's
+    split, an empty dict where the others have keys, or ranks disagreeing on dtype, feature shape,
+    plan or keys, make every rank raise (never collectives of mismatched sizes).
     """
     op = "dynamic_cp_merge"
     if isinstance(outputs, Mapping):
         if lengths is not None and not isinstance(lengths, Mapping):
             raise ValueError(f"{op}: with a dict of outputs, lengths must be a dict too")
         keys = sorted(outputs)
-        key_hash = _crc(keys)
+        key_hash = _crc((keys, split.plan.fingerprint()))
+        if not keys:
+            _merge_nothing(op, split, key_hash)
+            return {}
         return {
             k: _merge_one(op, outputs[k], split, None if lengths is None else lengths.get(k), key_hash)
             for k in keys
         }
-    return _merge_one(op, outputs, split, lengths, 0)
+    return _merge_one(op, outputs, split, lengths, _crc(((), split.plan.fingerprint())))
+
+
+def _merge_nothing(op, split: DynamicCPSplit, key_hash: int):
+    """An empty dict of outputs: with several groups this rank still joins the merge's first
+    exchange (as a merge of no rows under the keys' hash), so that ranks whose dicts have keys
+    raise with it instead of waiting for it; where every rank's dict is empty nothing else runs."""
+    plan, groups = split.plan, split.groups
+    if plan.num_groups > 1 and group_name_of(groups) is not None:
+        _merge_agree(op, groups, [0, 0, 0, 0, 0, key_hash, len(plan.lengths), plan.local_cp_size], None)
 
 
 def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):

@@ -28,6 +28,8 @@ import warnings
 
 import torch
 
+from .._validate import version_of
+
 _PATCHED_ATTR = "_verl_ops_mla_patched"
 # A core attention with this attribute True takes V with its native head dim (no pad to Dqk).
 NATIVE_VALUE_ATTR = "takes_native_mla_value"
@@ -445,7 +447,7 @@ class MLACoreAttention(torch.nn.Module):
                 cu_kv = packed_seq_params.cu_seqlens_kv
             # (compared once per pair of offsets tensors: every layer of the micro-batch reuses it)
             if cu_kv is not None and cu_kv is not cu and not _cached_on(
-                cu, _SAME_KV_ATTR, (id(cu_kv), cu_kv._version), lambda: torch.equal(cu_kv.to(cu.device), cu)
+                cu, _SAME_KV_ATTR, (id(cu_kv), version_of(cu_kv)), lambda: torch.equal(cu_kv.to(cu.device), cu)
             ):
                 raise ValueError("MLACoreAttention: self-attention needs the same q and kv offsets")
             max_seqlen = None  # under CP the plan derives its segments from the offsets
@@ -634,8 +636,11 @@ _ROPE_PLANS = threading.local()
 def _cached_on(t: torch.Tensor, attr: str, key, make):
     """``make()``, remembered on tensor ``t`` under ``key`` (with t's version: in-place changes
     invalidate it), so every layer of a step reuses what the first one built."""
+    version = version_of(t)
+    if version is None:  # an inference tensor: no version to key it by, nothing remembered on it
+        return make()
     cache = getattr(t, attr, None)
-    full_key = (key, t._version)
+    full_key = (key, version)
     if cache is not None and cache[0] == full_key:
         return cache[1]
     value = make()
@@ -652,7 +657,7 @@ def fast_thd_rope(original):
     chunks, per-sequence or packed frequency tables) and the same arithmetic, bit for bit, without
     the per-sequence loop and its host reads in every layer. Calls it does not cover (interleaved
     rotate-half, partial rotary dims, a non-float32 table) go to ``original``."""
-    from .._rope import mla_rope, thd_rope_positions
+    from .._rope import mla_rope, positions_from_plan, thd_rope_plan
     from ._common import host_offsets
 
     def apply(t, cu_seqlens, freqs, rotary_interleaved=False, *args, **kwargs):
@@ -680,17 +685,17 @@ def fast_thd_rope(original):
         cp_size, cp_rank = cp_group.size(), cp_group.rank()
 
         def index():  # once per micro-batch, shared by every layer
-            from ..layout import _to_device
-
             # The offsets' host values: the drop-in's layout has them (no device read); offsets
-            # from elsewhere are read once.
+            # from elsewhere are read once. The positions are built on t's device from the
+            # per-sequence values (a host loop over ~30k rows took ~1.5 ms before the GPU's
+            # first rope, while its queue was still short).
             known = host_offsets(cu_seqlens)
             cu = known[0] if known is not None else cu_seqlens.detach().to("cpu")
             packed = freqs.size(0) == int(cu[-1])
-            pos = thd_rope_positions(cu, t.shape[0], cp_size, cp_rank, packed)
-            if pos is None or (pos.numel() and int(pos.max()) >= freqs.size(0)):
+            plan = thd_rope_plan(cu, t.shape[0], cp_size, cp_rank, packed)
+            if plan is None or plan[1] >= freqs.size(0):
                 return None  # Megatron's own code reports these
-            return _to_device(pos, t.device)  # (a fresh host tensor: no wait for the copy)
+            return positions_from_plan(plan[0], t.shape[0], cp_size, cp_rank, packed, device=t.device)
 
         positions = _cached_on(
             cu_seqlens, _ROPE_POS_ATTR, (t.shape[0], cp_size, cp_rank, freqs.size(0), t.device), index

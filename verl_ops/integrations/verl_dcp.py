@@ -409,13 +409,22 @@ class DynamicCPScheduler:
                 raise RuntimeError(
                     f"Megatron-Core Dynamic CP must assign all {self.total_ranks} ranks in every micro-batch"
                 )
+            # Every CP group of the micro-batch is checked, not only this rank's: each rank computes
+            # the same schedule, so a bad group makes every rank raise the same error here (a rank
+            # whose own group is fine would otherwise go on to a collective with the ones that raised).
+            by_ids = {}
+            for peer, other in enumerate(assignment):
+                by_ids.setdefault(tuple(other), []).append(peer)
             ids = assignment[rank]
-            members = [peer for peer, other in enumerate(assignment) if other == ids]
+            mine = by_ids[tuple(ids)]
+            # (this rank's group first: where verl's scheduler raises, the same error)
+            for members in [mine] + [m for m in by_ids.values() if m is not mine]:
+                if members != list(range(members[0], members[0] + len(members))):
+                    raise RuntimeError(f"Dynamic CP group members must be contiguous, got {members}")
+                if members[0] % len(members) != 0:
+                    raise RuntimeError(f"Dynamic CP group {members} is not aligned to its size")
+            members = mine
             local_cp_size = len(members)
-            if members != list(range(members[0], members[0] + local_cp_size)):
-                raise RuntimeError(f"Dynamic CP group members must be contiguous, got {members}")
-            if members[0] % local_cp_size != 0:
-                raise RuntimeError(f"Dynamic CP group {members} is not aligned to its size")
             micro_batch = rows.select(ids)
             mask = local_padding_mask(
                 [seq_lens[i] for i in ids], cp_size=local_cp_size, cp_rank=members.index(rank), tp_size=tp_size,
