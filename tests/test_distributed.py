@@ -396,6 +396,13 @@ def check_dynamic_merge_disagreements(rank, world, backend):
     mine = other if rank == 0 else split
     outs = [torch.ones(2, device=device)] * len(mine.plan.sample_ids)
     _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), mine))
+    # The split of another micro-batch with as many samples and the same grouping (contiguous, other
+    # lengths): the plans' fingerprints differ.
+    same_b = dynamic_cp_split(_nested(_sample_values([4] * (2 * world)), device), 64)
+    assert same_b.plan.groups == split.plan.groups
+    mine = same_b if rank == 0 else split
+    outs = [torch.ones(2, device=device)] * len(mine.plan.sample_ids)
+    _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), mine))
     # An empty dict on rank 0 only; then on every rank.
     outs = {} if rank == 0 else {"a": _nested([torch.ones(2, device=device)] * len(split.plan.sample_ids), device)}
     _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(outs, split))
@@ -414,6 +421,22 @@ def check_dynamic_merge_disagreements(rank, world, backend):
                        lambda: ops.dynamic_cp_merge(values, lengths, ids, B, 1, name))
     _expect_raises(RuntimeError, "outputs disagree", lambda: ops.dynamic_cp_merge(
         values, lengths, ids, B, world if rank == 0 else 1, name))
+    # Ranks that disagree on validate (the checks decide whether a rank raises).
+    _expect_raises(RuntimeError, "outputs disagree", lambda: ops.dynamic_cp_merge(
+        values, lengths, ids, B, 1, name, rank != 0))
+    # One group (local_cp_size = world: each rank merges its own outputs, no second exchange), rank
+    # 0's lengths not summing to its rows: its own error, the others a RuntimeError naming it.
+    own = torch.arange(world, dtype=torch.int64, device=device)
+    rows = world + (1 if rank == 0 else 0)
+    if rank == 0:
+        _expect_raises(ValueError, "group 0's outputs have", lambda: ops.dynamic_cp_merge(
+            torch.ones(rows, 2, device=device), torch.ones(world, dtype=torch.int64, device=device), own, B, world,
+            name))
+    else:
+        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
+                       lambda: ops.dynamic_cp_merge(torch.ones(rows, 2, device=device),
+                                                    torch.ones(world, dtype=torch.int64, device=device), own, B,
+                                                    world, name))
     mv, ml = ops.dynamic_cp_merge(values * rank, lengths, ids, B, 1, name)
     assert ml.tolist() == [1] * world and mv[:, 0].cpu().tolist() == [float(r) for r in range(world)]
     _expect_merge_in_sample_order(device, split, 2 * world)  # still in step

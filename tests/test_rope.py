@@ -217,6 +217,10 @@ def test_thd_positions(cp, packed, device):
             top = thd_rope_plan(cu, sum(lengths) // cp, cp, rank, packed)[1]
             assert top == (int(want.max()) if want.numel() else -1), (lengths, cp, rank)
         assert thd_rope_positions(cu, sum(lengths) // cp + 1, cp, 0, packed, device=device) is None
+    # Offsets that decrease (their rows still adding up): no positions, not a device-side error.
+    cu = torch.tensor([0, 5 * cp, 3 * cp, 8 * cp], dtype=torch.int32)
+    assert thd_rope_plan(cu, 8, cp, 0, packed) is None
+    assert thd_rope_positions(cu, 8, cp, 0, packed, device=device) is None
 
 
 @pytest.mark.parametrize("cp", [1, 2])

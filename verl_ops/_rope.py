@@ -131,10 +131,10 @@ def thd_rope_plan(cu_seqlens: torch.Tensor, rows: int, cp_size: int = 1, cp_rank
     """``(per, top)`` of :func:`thd_rope_positions`, on the host: ``per`` int64 ``[3, B]``, each
     sequence's first local row, local rows and position offset (``cu[i]`` with ``packed_freqs``,
     else 0), and ``top`` the largest position of any row (-1 with no rows), computed from them
-    alone; ``None`` when the rows do not add up to ``rows``."""
+    alone; ``None`` when the rows do not add up to ``rows`` or the offsets decrease."""
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     local = (cu[1:] - cu[:-1]) // cp_size
-    if int(local.sum()) != rows:
+    if int(local.sum()) != rows or bool((local < 0).any()):  # (decreasing offsets: no positions)
         return None
     starts = torch.cumsum(local, 0) - local
     base = cu[:-1] if packed_freqs else torch.zeros_like(local)

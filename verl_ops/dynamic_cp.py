@@ -21,11 +21,12 @@ group under verl's dynamic CP) all hold the same micro-batch. For a micro-batch:
   fewer sequences, then the lower index); each group keeps its sequences in the original order.
 
 Merge gathers the groups' outputs over the ranks that share a CP rank (one rank per group, a
-group of ``dp_size // local_cp_size`` ranks), with tensor collectives, over the whole DPxCP group first (so that a rejected output
-makes every rank raise): 9 words per rank that every rank must agree on (status, num_samples,
-local_cp_size, dtype, feature shape, keys and plan hashes), then, with the width those fix, the
-headers with the per-sequence lengths and sample ids; then one all-gather of the values over the
-merge group (padded to the largest group) and one jagged_gather that restores the sample order. Every rank issues the same collectives
+group of ``dp_size // local_cp_size`` ranks), with tensor collectives, over the whole DPxCP group
+first (so that a rejected output makes every rank raise): 10 words per rank (its status and
+counts, and what every rank must agree on: num_samples, local_cp_size, validate, the dtype,
+feature shape, keys and plan hashes), then, with the width those fix, the headers with the
+per-sequence lengths and sample ids; then one all-gather of the values over the merge group
+(padded to the largest group) and one jagged_gather that restores the sample order. Every rank issues the same collectives
 whatever its data; inputs that disagree across ranks raise on every rank instead of hanging.
 
 This module holds the whole op family: the ops ``dynamic_cp_split`` / ``dynamic_cp_merge``
@@ -140,7 +141,8 @@ class DynamicCPPlan:
         return [sum(self.lengths[i] for i in g) for g in self.groups]
 
     def fingerprint(self) -> int:
-        return _crc((self.dp_size, self.local_cp_size, self.groups))
+        """A hash of the plan (sizes, grouping and the lengths), the same on every rank."""
+        return _crc((self.dp_size, self.local_cp_size, self.groups, self.lengths))
 
     def sample_ids_on(self, device: torch.device) -> torch.Tensor:
         """:attr:`sample_ids` as an int64 tensor on ``device`` (cached per device; do not modify)."""
@@ -561,7 +563,6 @@ def _split_impl(values, lengths, max_seqlen_per_dp_cp_rank, group_name=None, ass
 # the lengths: it is 0 in every accepted row, so a cumsum over [status, lengths] gives each
 # sequence's first row in its group and then the group's row count.
 _MERGE_N, _MERGE_ROWS, _MERGE_ROW_BYTES, _MERGE_STATUS = 0, 1, 4, 8
-_MERGE_SAME = slice(2, 8)  # the words every group must agree on (dtype .. local_cp_size)
 _MERGE_META = 9  # the 8 meta words + the status word
 
 
@@ -627,34 +628,68 @@ def _raise_header_errors(op: str, rows: list, B: int):
     raise RuntimeError(f"{op}: the header checks on the device and on the host disagree (header: {rows})")
 
 
-def _merge_meta(values, lengths, num_samples, local_cp_size, key_hash) -> list:
-    """This rank's 8 meta words (the header's, see above), from host-known shapes only."""
+def _merge_meta(values, lengths, num_samples, local_cp_size, key_hash, validate) -> list:
+    """This rank's words of the first exchange after its status, from host-known shapes only: the
+    header's 8 meta words (see above) and ``validate``."""
     feat = tuple(values.shape[1:])
     return [
         lengths.numel(), values.shape[0], _crc(str(values.dtype)), _crc(feat),
-        math.prod(feat) * values.element_size(), key_hash, num_samples, local_cp_size,
+        math.prod(feat) * values.element_size(), key_hash, num_samples, local_cp_size, int(bool(validate)),
     ]
 
 
-_MERGE_WHAT = "dtype, feature shape, row bytes, keys, num_samples, local_cp_size"
+_AGREE_WORDS = 9  # _merge_meta's words
+_AGREE_SAME = slice(2, 9)  # those every rank must share (dtype .. validate)
+_MERGE_WHAT = "dtype, feature shape, row bytes, keys, num_samples, local_cp_size, validate"
 
 
-def _merge_agree(op: str, groups: DynamicCPGroups, meta: list | None, error) -> list:
+def _merge_agree(op: str, groups: DynamicCPGroups, meta: list | None, error, header_error=None) -> list:
     """The merge's first exchange, over the whole DPxCP group: one fixed-size int64 row per rank
-    (its status, then its 8 meta words; zeros where ``meta`` is None) and one host read. Raises on
-    every rank when a rank failed or when the ranks disagree on the words every rank must share;
-    returns the meta rows. Its width is fixed, so it is safe whatever the ranks passed: the second
-    exchange's width (2 * num_samples) is agreed on before it is issued."""
-    words = [1 if error is not None else 0] + (list(meta) if meta is not None else [0] * 8)
+    (its status, then :func:`_merge_meta`'s words; zeros where ``meta`` is None) and one host read.
+    Raises on every rank when a rank failed, then when the ranks disagree on the words every rank
+    must share, then when a rank's own header failed its checks (``header_error``: with one group,
+    where each rank checks its own); returns the meta rows. Its width is fixed, so it is safe
+    whatever the ranks passed: the second exchange's width (9 + 2 * num_samples) is agreed on
+    before it is issued."""
+    status = 1 if error is not None else (2 if header_error is not None else 0)
+    words = [status] + (list(meta) if meta is not None else [0] * _AGREE_WORDS)
     rows = _all_gather_words(words, groups.group, groups.device, groups.dp_size)
-    _raise_collected(op, rows[:, 0], None if isinstance(error, CallerRejected) else error, "outputs")
+    statuses = rows[:, 0].tolist()
+    _raise_collected(op, [x == 1 for x in statuses], None if isinstance(error, CallerRejected) else error, "outputs")
     meta_rows = rows[:, 1:].tolist()
-    if any(r[_MERGE_SAME] != meta_rows[0][_MERGE_SAME] for r in meta_rows):
+    if any(r[_AGREE_SAME] != meta_rows[0][_AGREE_SAME] for r in meta_rows):
         raise RuntimeError(
-            f"{op}: the ranks' outputs disagree ({_MERGE_WHAT} hashes per rank: "
-            f"{[r[_MERGE_SAME] for r in meta_rows]})"
+            f"{op}: the ranks' outputs disagree ({_MERGE_WHAT} per rank, the first four hashed: "
+            f"{[r[_AGREE_SAME] for r in meta_rows]})"
         )
+    _raise_collected(op, [x == 2 for x in statuses], header_error, "outputs")
     return meta_rows
+
+
+def _index_and_read(op: str, hdrs: dict, c0: int, B: int, validate: bool, counts: dict):
+    """The reorder index and its checks for merge groups' gathered headers (``hdrs``: merge group
+    -> its rows [G, 9 + 2 B], ``c0`` this rank's group; a launch each), then one host read: this
+    group's check words and merged lengths and the other groups' check words. With ``validate``
+    the groups are checked in one order (the same error on every rank that holds them all), each
+    also against ``counts`` (merge group -> its ranks' sequence counts). Returns ``(buf, src_at,
+    cu, this group's check words, merged lengths)``."""
+    G = hdrs[c0].shape[0]
+    found = {c: _merge_index(h, B, validate) for c, h in hdrs.items()}
+    buf, merged_at, src_at, cu = found[c0]
+    others = [c for c in hdrs if c != c0]
+    parts = [buf[: merged_at + B]] + [found[c][0][: G + 2] for c in others]
+    host = torch.cat(parts).cpu() if others else parts[0].cpu()
+    checks = {c0: host[: G + 2].tolist()}
+    for k, c in enumerate(others):
+        at = merged_at + B + k * (G + 2)
+        checks[c] = host[at : at + G + 2].tolist()
+    merged_lengths = host[merged_at : merged_at + B].clone()  # a tensor of its own, as the fake's
+    if validate:
+        for c in sorted(hdrs):
+            ck = checks[c]
+            if not (all(ck[:G]) and (B == 0 or min(ck[G:]) >= 0) and sum(counts[c]) == B):
+                _raise_header_errors(op, hdrs[c].cpu().tolist(), B)
+    return buf, src_at, cu, checks[c0], merged_lengths
 
 
 def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_name=None, validate=True,
@@ -666,12 +701,13 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     named = groups is not None and groups.dp_size > 1
     error = local = meta = None
     B = num_samples
-    M = _MERGE_META
     missing = _merge_dense.none_error((values, lengths, sample_ids))
     if missing is not None and not named:
         raise missing  # no exchange to join
     device = groups.device if named else values.device
     s = 1
+    read = None  # with one group: this rank's index and checks, read before the first exchange
+    header_error = None
     try:
         if rank_error:
             raise CallerRejected()
@@ -688,14 +724,24 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         check_merge_entries(op, lengths, sample_ids, B)
         if values.dim() < 1:
             raise ValueError(f"{op}: values must be [rows, *F], got a 0-d tensor")
-        meta = _merge_meta(values, lengths, B, local_cp_size, key_hash)
+        meta = _merge_meta(values, lengths, B, local_cp_size, key_hash, validate)
         local = _merge_header(values, lengths, sample_ids, B, local_cp_size, key_hash, device)
+        if s == (groups.dp_size if groups is not None else 1):
+            # One group (local_cp_size == dp_size): each rank merges its own outputs, with no second
+            # exchange. Its header checks run here, so that a bad header is this rank's error in the
+            # first exchange and every rank raises.
+            try:
+                read = _index_and_read(op, {0: local.view(1, -1)}, 0, B, validate, {0: [lengths.numel()]})
+            except (ValueError, RuntimeError) as e:  # raised after the agreement checks
+                header_error = e
     except Exception as e:  # every rank still joins the first exchange; re-raised after it
         error = e
     if named:
-        meta_rows = _merge_agree(op, groups, meta, error)
+        meta_rows = _merge_agree(op, groups, meta, error, header_error)
     elif error is not None:
         _raise_collected(op, [1], None if isinstance(error, CallerRejected) else error, "outputs")
+    elif header_error is not None:
+        raise header_error
     else:
         meta_rows = [meta]
     G = len(meta_rows) // s
@@ -707,7 +753,7 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
     total = max(sum(r[_MERGE_ROWS] for r in m) for m in members)
     if total > INT32_MAX:
         raise ValueError(f"{op}: {total} merged rows do not fit the int32 offsets of jagged_gather")
-    if G > 1:
+    if read is None:  # G > 1
         # The second exchange: the headers (lengths and sample ids, 9 + 2 B words: the width every
         # rank agreed on) of the whole DPxCP group, so that every merge group's lengths and ids are
         # checked on every rank and a bad one makes every rank raise.
@@ -715,28 +761,13 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         _dist().all_gather_into_tensor(everyone, local, group=groups.group)
         everyone = everyone.view(groups.dp_size, -1)
         hdrs = {c: everyone[c::s].contiguous() for c in (range(s) if validate else (c0,))}
-    else:
-        hdrs = {c0: local.view(1, -1)}
-    # The index and the checks on the header's device (a launch per merge group checked), then one
-    # host read: this group's check words and merged lengths, and the other groups' check words.
-    found = {c: _merge_index(h, B, validate) for c, h in hdrs.items()}
-    buf, merged_at, src_at, cu = found[c0]
-    others = [c for c in hdrs if c != c0]
-    parts = [buf[: merged_at + B]] + [found[c][0][: G + 2] for c in others]
-    host = torch.cat(parts).cpu() if others else parts[0].cpu()
-    checks = {c0: host[: G + 2].tolist()}
-    for k, c in enumerate(others):
-        at = merged_at + B + k * (G + 2)
-        checks[c] = host[at : at + G + 2].tolist()
-    merged_lengths = host[merged_at : merged_at + B].clone()  # a tensor of its own, as the fake's
+        counts = {c: [r[_MERGE_N] for r in members[c]] for c in hdrs}
+        read = _index_and_read(op, hdrs, c0, B, validate, counts)
+    buf, src_at, cu, checks, merged_lengths = read
     if validate:
-        for c in sorted(hdrs):  # in one order on every rank: the same error everywhere
-            ck = checks[c]
-            if not (all(ck[:G]) and (B == 0 or min(ck[G:]) >= 0) and sum(r[_MERGE_N] for r in members[c]) == B):
-                _raise_header_errors(op, hdrs[c].cpu().tolist(), B)
         total = sum(r[_MERGE_ROWS] for r in members[c0])  # every row of every group is merged once
     else:
-        total = checks[c0][G]
+        total = checks[G]
     if total > INT32_MAX:
         raise ValueError(f"{op}: {total} merged rows do not fit the int32 offsets of jagged_gather")
     feat = tuple(values.shape[1:])
@@ -1027,8 +1058,8 @@ def dynamic_cp_merge(outputs, split: DynamicCPSplit, *, lengths=None):
         Same form as ``outputs`` for the whole batch (B sequences): a nested tensor, or
         ``(values, lengths int64)``, or a dict. Forward-only: the result carries no gradient.
 
-    Collectives (none when there is one group): over the whole DPxCP group, one all-gather of 9
-    int64 words per rank (status, counts, dtype / shape / key hashes, ``num_samples``,
+    Collectives (none when there is one group): over the whole DPxCP group, one all-gather of 10
+    int64 words per rank (status, counts, dtype / shape / key / plan hashes, ``num_samples``,
     ``local_cp_size``: a host read), then, once every rank agrees on them, one all-gather of the
     headers with the lengths and sample ids (the reorder index and its checks computed from them
     with tensor ops, a second host read); then one all-gather of the values as bytes over the
@@ -1058,7 +1089,7 @@ def _merge_nothing(op, split: DynamicCPSplit, key_hash: int):
     raise with it instead of waiting for it; where every rank's dict is empty nothing else runs."""
     plan, groups = split.plan, split.groups
     if plan.num_groups > 1 and group_name_of(groups) is not None:
-        _merge_agree(op, groups, [0, 0, 0, 0, 0, key_hash, len(plan.lengths), plan.local_cp_size], None)
+        _merge_agree(op, groups, [0, 0, 0, 0, 0, key_hash, len(plan.lengths), plan.local_cp_size, 1], None)
 
 
 def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):

@@ -5,7 +5,8 @@ sequences of log-normal float32 outputs, local_cp_size 1, 2 groups).
 
 Per rank: the API on a nested output, the registered op with validate on and off (20 calls back
 to back, best of 5 rounds, the ranks released together by a barrier), and the floor of the op's
-first step alone (an all-gather of an int64 header of the same size, then its host read). With
+header exchange alone (an all-gather of an int64 header of the same size, then its host read;
+the op runs two such exchanges since the fixed-size agreement of the ranks came before it). With
 --profile, rank 0 also writes cProfile listings of the op and the API and a torch.profiler table
 to OUT_DIR/prof_merge_rank0.txt.
 """

@@ -446,8 +446,11 @@ class MLACoreAttention(torch.nn.Module):
             if cu_kv is None:
                 cu_kv = packed_seq_params.cu_seqlens_kv
             # (compared once per pair of offsets tensors: every layer of the micro-batch reuses it)
-            if cu_kv is not None and cu_kv is not cu and not _cached_on(
-                cu, _SAME_KV_ATTR, (id(cu_kv), version_of(cu_kv)), lambda: torch.equal(cu_kv.to(cu.device), cu)
+            kv_version = version_of(cu_kv) if cu_kv is not None else None
+            if cu_kv is not None and cu_kv is not cu and not (
+                _cached_on(cu, _SAME_KV_ATTR, (id(cu_kv), kv_version), lambda: torch.equal(cu_kv.to(cu.device), cu))
+                if kv_version is not None
+                else torch.equal(cu_kv.to(cu.device), cu)  # no version to key a remembered answer by
             ):
                 raise ValueError("MLACoreAttention: self-attention needs the same q and kv offsets")
             max_seqlen = None  # under CP the plan derives its segments from the offsets
