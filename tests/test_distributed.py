@@ -403,6 +403,24 @@ def check_dynamic_merge_disagreements(rank, world, backend):
     mine = same_b if rank == 0 else split
     outs = [torch.ones(2, device=device)] * len(mine.plan.sample_ids)
     _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), mine))
+    # Rank 0 with the split of a micro-batch of one group (fewer samples than ranks: every rank
+    # holds them all, no copy), the others with several groups.
+    one = dynamic_cp_split(_nested(_sample_values([3] * (world - 1)), device), 64)
+    assert one.plan.num_groups == 1
+    mine = one if rank == 0 else split
+    outs = [torch.ones(2, device=device)] * len(mine.plan.sample_ids)
+    _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), mine))
+    # One group on every rank, rank 0 with an output too many: its own error, the others one naming it.
+    n = len(one.plan.sample_ids) + (1 if rank == 0 else 0)
+    outs = [torch.ones(2, device=device)] * n
+    if rank == 0:
+        _expect_raises(ValueError, "group holds .* sequences but the outputs have", lambda: dynamic_cp_merge(
+            _nested(outs, device), one))
+    else:
+        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
+                       lambda: dynamic_cp_merge(_nested(outs, device), one))
+    merged = dynamic_cp_merge(_nested([torch.ones(2, device=device)] * (world - 1), device), one)
+    assert merged.offsets().diff().tolist() == [2] * (world - 1)
     # An empty dict on rank 0 only; then on every rank.
     outs = {} if rank == 0 else {"a": _nested([torch.ones(2, device=device)] * len(split.plan.sample_ids), device)}
     _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(outs, split))

@@ -221,6 +221,10 @@ def test_thd_positions(cp, packed, device):
     cu = torch.tensor([0, 5 * cp, 3 * cp, 8 * cp], dtype=torch.int32)
     assert thd_rope_plan(cu, 8, cp, 0, packed) is None
     assert thd_rope_positions(cu, 8, cp, 0, packed, device=device) is None
+    # A packed table and offsets that start below 0: positions before its first row.
+    cu = torch.tensor([-4 * cp, 4 * cp, 8 * cp], dtype=torch.int32)
+    assert (thd_rope_plan(cu, 12, cp, 0, packed) is None) == packed
+    assert thd_rope_plan(torch.zeros(0, dtype=torch.int32), 0, cp, 0, packed) is None
 
 
 @pytest.mark.parametrize("cp", [1, 2])

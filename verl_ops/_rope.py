@@ -96,8 +96,8 @@ def thd_rope_positions(cu_seqlens: torch.Tensor, rows: int, cp_size: int = 1, cp
     ``(cu[i+1] - cu[i]) // cp_size`` local rows; without CP they are positions ``0 ..``; with CP the
     local rows are the zigzag chunks ``cp_rank`` and ``2 cp_size - 1 - cp_rank`` of the sequence;
     ``packed_freqs`` (the frequency table has a row per packed token) adds the sequence's offset
-    ``cu[i]``. ``None`` when the rows do not add up to ``rows`` (Megatron's own code then reports
-    the mismatch). ``cu_seqlens`` is read on the host; on a GPU the positions are built there from
+    ``cu[i]``. ``None`` when the rows do not add up to ``rows`` or the offsets decrease (Megatron's
+    own code then reports the mismatch). ``cu_seqlens`` is read on the host; on a GPU the positions are built there from
     the per-sequence values (one small copy, a few launches, no host loop over the rows)."""
     plan = thd_rope_plan(cu_seqlens, rows, cp_size, cp_rank, packed_freqs)
     if plan is None:
@@ -131,11 +131,14 @@ def thd_rope_plan(cu_seqlens: torch.Tensor, rows: int, cp_size: int = 1, cp_rank
     """``(per, top)`` of :func:`thd_rope_positions`, on the host: ``per`` int64 ``[3, B]``, each
     sequence's first local row, local rows and position offset (``cu[i]`` with ``packed_freqs``,
     else 0), and ``top`` the largest position of any row (-1 with no rows), computed from them
-    alone; ``None`` when the rows do not add up to ``rows`` or the offsets decrease."""
+    alone; ``None`` when the rows do not add up to ``rows``, the offsets decrease, or (with
+    ``packed_freqs``) start below 0."""
     cu = cu_seqlens.detach().to("cpu", torch.int64)
     local = (cu[1:] - cu[:-1]) // cp_size
-    if int(local.sum()) != rows or bool((local < 0).any()):  # (decreasing offsets: no positions)
-        return None
+    if cu.numel() == 0 or int(local.sum()) != rows or bool((local < 0).any()):
+        return None  # no offsets, or decreasing ones: no positions
+    if packed_freqs and int(cu[0]) < 0:
+        return None  # positions before the table's first row
     starts = torch.cumsum(local, 0) - local
     base = cu[:-1] if packed_freqs else torch.zeros_like(local)
     # Positions grow with the row inside a sequence (the second zigzag chunk's lie above the

@@ -109,7 +109,8 @@ class DynamicCPPlan:
     assignment: str
     groups: tuple = field(repr=False)
     # this group's sample ids as int64 tensors, per device (built once per plan: a host-to-device
-    # copy from pageable memory waits for the stream, and every merged output key needs them)
+    # copy from pageable memory waits for the stream, and every merged output key needs them),
+    # and the plan's fingerprint
     _ids_on: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
@@ -141,8 +142,12 @@ class DynamicCPPlan:
         return [sum(self.lengths[i] for i in g) for g in self.groups]
 
     def fingerprint(self) -> int:
-        """A hash of the plan (sizes, grouping and the lengths), the same on every rank."""
-        return _crc((self.dp_size, self.local_cp_size, self.groups, self.lengths))
+        """A hash of the plan (sizes, grouping and the lengths), the same on every rank (computed
+        once per plan)."""
+        f = self._ids_on.get("fingerprint")
+        if f is None:
+            f = self._ids_on["fingerprint"] = _crc((self.dp_size, self.local_cp_size, self.groups, self.lengths))
+        return f
 
     def sample_ids_on(self, device: torch.device) -> torch.Tensor:
         """:attr:`sample_ids` as an int64 tensor on ``device`` (cached per device; do not modify)."""
@@ -628,12 +633,12 @@ def _raise_header_errors(op: str, rows: list, B: int):
     raise RuntimeError(f"{op}: the header checks on the device and on the host disagree (header: {rows})")
 
 
-def _merge_meta(values, lengths, num_samples, local_cp_size, key_hash, validate) -> list:
-    """This rank's words of the first exchange after its status, from host-known shapes only: the
-    header's 8 meta words (see above) and ``validate``."""
+def _merge_meta(values, n, num_samples, local_cp_size, key_hash, validate) -> list:
+    """This rank's words of the first exchange after its status, from host-known shapes only (``n``:
+    its sequence count): the header's 8 meta words (see above) and ``validate``."""
     feat = tuple(values.shape[1:])
     return [
-        lengths.numel(), values.shape[0], _crc(str(values.dtype)), _crc(feat),
+        n, values.shape[0], _crc(str(values.dtype)), _crc(feat),
         math.prod(feat) * values.element_size(), key_hash, num_samples, local_cp_size, int(bool(validate)),
     ]
 
@@ -670,9 +675,9 @@ def _index_and_read(op: str, hdrs: dict, c0: int, B: int, validate: bool, counts
     """The reorder index and its checks for merge groups' gathered headers (``hdrs``: merge group
     -> its rows [G, 9 + 2 B], ``c0`` this rank's group; a launch each), then one host read: this
     group's check words and merged lengths and the other groups' check words. With ``validate``
-    the groups are checked in one order (the same error on every rank that holds them all), each
-    also against ``counts`` (merge group -> its ranks' sequence counts). Returns ``(buf, src_at,
-    cu, this group's check words, merged lengths)``."""
+    the groups are checked in one order, each also against ``counts`` (merge group -> its ranks'
+    sequence counts). Returns ``(buf, src_at, cu, this group's check words, merged lengths, the
+    first group that failed its checks or None)``."""
     G = hdrs[c0].shape[0]
     found = {c: _merge_index(h, B, validate) for c, h in hdrs.items()}
     buf, merged_at, src_at, cu = found[c0]
@@ -684,12 +689,23 @@ def _index_and_read(op: str, hdrs: dict, c0: int, B: int, validate: bool, counts
         at = merged_at + B + k * (G + 2)
         checks[c] = host[at : at + G + 2].tolist()
     merged_lengths = host[merged_at : merged_at + B].clone()  # a tensor of its own, as the fake's
+    bad = None
     if validate:
-        for c in sorted(hdrs):
+        for c in sorted(hdrs):  # in one order: the same group (and error) on every rank holding them all
             ck = checks[c]
             if not (all(ck[:G]) and (B == 0 or min(ck[G:]) >= 0) and sum(counts[c]) == B):
-                _raise_header_errors(op, hdrs[c].cpu().tolist(), B)
-    return buf, src_at, cu, checks[c0], merged_lengths
+                bad = c
+                break
+    return buf, src_at, cu, checks[c0], merged_lengths, bad
+
+
+def _header_error(op: str, hdr: torch.Tensor, B: int) -> Exception:
+    """The error :func:`_raise_header_errors` raises for the failed header ``hdr`` (a host read)."""
+    try:
+        _raise_header_errors(op, hdr.cpu().tolist(), B)
+    except (ValueError, RuntimeError) as e:
+        return e
+    raise AssertionError("unreachable: _raise_header_errors always raises")
 
 
 def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_name=None, validate=True,
@@ -724,16 +740,15 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         check_merge_entries(op, lengths, sample_ids, B)
         if values.dim() < 1:
             raise ValueError(f"{op}: values must be [rows, *F], got a 0-d tensor")
-        meta = _merge_meta(values, lengths, B, local_cp_size, key_hash, validate)
+        meta = _merge_meta(values, lengths.numel(), B, local_cp_size, key_hash, validate)
         local = _merge_header(values, lengths, sample_ids, B, local_cp_size, key_hash, device)
         if s == (groups.dp_size if groups is not None else 1):
             # One group (local_cp_size == dp_size): each rank merges its own outputs, with no second
             # exchange. Its header checks run here, so that a bad header is this rank's error in the
             # first exchange and every rank raises.
-            try:
-                read = _index_and_read(op, {0: local.view(1, -1)}, 0, B, validate, {0: [lengths.numel()]})
-            except (ValueError, RuntimeError) as e:  # raised after the agreement checks
-                header_error = e
+            read = _index_and_read(op, {0: local.view(1, -1)}, 0, B, validate, {0: [lengths.numel()]})
+            if read[-1] is not None:  # raised after the agreement checks
+                header_error = _header_error(op, local.view(1, -1), B)
     except Exception as e:  # every rank still joins the first exchange; re-raised after it
         error = e
     if named:
@@ -763,7 +778,9 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         hdrs = {c: everyone[c::s].contiguous() for c in (range(s) if validate else (c0,))}
         counts = {c: [r[_MERGE_N] for r in members[c]] for c in hdrs}
         read = _index_and_read(op, hdrs, c0, B, validate, counts)
-    buf, src_at, cu, checks, merged_lengths = read
+        if read[-1] is not None:
+            raise _header_error(op, hdrs[read[-1]], B)
+    buf, src_at, cu, checks, merged_lengths, _ = read
     if validate:
         total = sum(r[_MERGE_ROWS] for r in members[c0])  # every row of every group is merged once
     else:
@@ -1058,9 +1075,10 @@ def dynamic_cp_merge(outputs, split: DynamicCPSplit, *, lengths=None):
         Same form as ``outputs`` for the whole batch (B sequences): a nested tensor, or
         ``(values, lengths int64)``, or a dict. Forward-only: the result carries no gradient.
 
-    Collectives (none when there is one group): over the whole DPxCP group, one all-gather of 10
-    int64 words per rank (status, counts, dtype / shape / key / plan hashes, ``num_samples``,
-    ``local_cp_size``: a host read), then, once every rank agrees on them, one all-gather of the
+    Collectives (with one group only the first, and the outputs are returned as they are): over
+    the whole DPxCP group, one all-gather of 10 int64 words per rank (status, counts, dtype /
+    shape / key / plan hashes, ``num_samples``, ``local_cp_size``, ``validate``: a host read),
+    then, once every rank agrees on them, one all-gather of the
     headers with the lengths and sample ids (the reorder index and its checks computed from them
     with tensor ops, a second host read); then one all-gather of the values as bytes over the
     ranks sharing this CP rank. A rank with a wrong number of sequences, another micro-batch's
@@ -1084,18 +1102,19 @@ def dynamic_cp_merge(outputs, split: DynamicCPSplit, *, lengths=None):
 
 
 def _merge_nothing(op, split: DynamicCPSplit, key_hash: int):
-    """An empty dict of outputs: with several groups this rank still joins the merge's first
+    """An empty dict of outputs: with a process group this rank still joins the merge's first
     exchange (as a merge of no rows under the keys' hash), so that ranks whose dicts have keys
     raise with it instead of waiting for it; where every rank's dict is empty nothing else runs."""
     plan, groups = split.plan, split.groups
-    if plan.num_groups > 1 and group_name_of(groups) is not None:
+    if group_name_of(groups) is not None:
         _merge_agree(op, groups, [0, 0, 0, 0, 0, key_hash, len(plan.lengths), plan.local_cp_size, 1], None)
 
 
 def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
     plan, groups = split.plan, split.groups
     G = plan.num_groups
-    name = group_name_of(groups) if G > 1 else None
+    agree = group_name_of(groups)  # with a process group every rank joins the first exchange
+    name = agree if G > 1 else None
     B = len(plan.lengths)
     empty = torch.zeros(0, dtype=torch.int64)
     try:
@@ -1111,13 +1130,20 @@ def _merge_one(op, out, split: DynamicCPSplit, lengths, key_hash: int):
         if G > 1 and is_meta(values):
             raise ValueError(f"{op}: outputs on the meta device cannot be gathered across {G} CP groups")
     except (ValueError, TypeError, RuntimeError) as e:
-        _reject_everywhere(
-            lambda: _ops.dynamic_cp_merge(empty, empty, empty, B, plan.local_cp_size, name, True, key_hash, True),
-            e,
-            name is not None,
-        )
+        if G > 1:
+            def reject():
+                _ops.dynamic_cp_merge(empty, empty, empty, B, plan.local_cp_size, name, True, key_hash, True)
+        else:
+            def reject():
+                _merge_agree(op, groups, None, CallerRejected())
+        _reject_everywhere(reject, e, agree is not None)
     if G == 1:
-        # One group: the outputs are already the whole batch in sample order.
+        # One group: the outputs are already the whole batch in sample order. With a process
+        # group the ranks still agree on the merge (the op's first exchange, no copy), so that a
+        # rank holding another micro-batch's split raises with the others instead of leaving them
+        # waiting in theirs.
+        if agree is not None:
+            _merge_agree(op, groups, _merge_meta(values, n, B, plan.local_cp_size, key_hash, True), None)
         if nested:
             return out.detach()
         return values.detach(), ls

@@ -694,6 +694,8 @@ def fast_thd_rope(original):
             # first rope, while its queue was still short).
             known = host_offsets(cu_seqlens)
             cu = known[0] if known is not None else cu_seqlens.detach().to("cpu")
+            if cu.numel() == 0:
+                return None  # Megatron's own code reports it
             packed = freqs.size(0) == int(cu[-1])
             plan = thd_rope_plan(cu, t.shape[0], cp_size, cp_rank, packed)
             if plan is None or plan[1] >= freqs.size(0):
