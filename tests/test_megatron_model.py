@@ -234,6 +234,14 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
         else:
             lengths = lib.random_lengths(rng, with_long=True)
         batch = lib.make_batch(lengths, size.vocab, seed * 100 + 10 * rank + step, device)
+        if step == 0:
+            # A log-prob pass under torch.inference_mode on a batch made there: its offsets are
+            # inference tensors (no version counter, nothing remembered on them); its per-token loss
+            # is compared with no_grad's below.
+            with torch.inference_mode():
+                inf_batch = lib.make_batch(lengths, size.vocab, seed * 100 + 10 * rank + step, device)
+                assert inf_batch.input_ids.offsets().is_inference()
+                inf = lib.forward_backward(ours, inf_batch, our_pack, replay="record", device=device, backward=False)
         opt_ref.zero_grad(set_to_none=True)
         opt_ours.zero_grad(set_to_none=True)
         got = lib.forward_backward(ref, batch, ref_pack, replay="record", device=device, as_shipped=True)
@@ -255,10 +263,6 @@ def steps_task(rank, world, device_kind, dtype_name, size_name, seed, steps):
                 free = lib.forward_backward(ours, batch, our_pack, replay="record", device=device, backward=False)
             free_routes = merge_router_topk_indices(None, batch.input_ids, free.recorded, cfg)
             entry["free_routing_agree"] = _route_pairs(_routes_values(free_routes), _routes_values(routes))
-            # A log-prob pass under torch.inference_mode: the layout's offsets are then inference
-            # tensors (no version counter); the same per-token loss as under no_grad.
-            with torch.inference_mode():
-                inf = lib.forward_backward(ours, batch, our_pack, replay="record", device=device, backward=False)
             entry["inference_mode_err"] = _err(inf.loss_per_token, free.loss_per_token, metric)
         mine = lib.forward_backward(ours, batch, our_pack, replay=list(targets), device=device)
         entry["tokens"] = int(got.loss_per_token.numel())

@@ -459,6 +459,17 @@ def check_under_inference_mode(rank, world, backend):
                 out = verl_ops.mla_cp_attention(q[rows].to(device), k[rows].to(device), v[rows].to(device), cu,
                                                 layout.max_seqlen, cp_group=group)
                 _assert_close(f"rank {rank} {lengths}", out.cpu(), want.cpu(), TOL[dtype])
+    # Ordinary offsets used under inference mode first, then with grad: the plan the first call
+    # built (inference tensors, which autograd cannot save) must not reach the second.
+    cu = layout.cu_seqlens_padded_cpu.clone()
+    with torch.inference_mode():
+        verl_ops.mla_cp_attention(q[rows].to(device), k[rows].to(device), v[rows].to(device), cu,
+                                  layout.max_seqlen, cp_group=group)
+    ql, kl, vl = (x[rows].to(device).requires_grad_(True) for x in (q, k, v))
+    out = verl_ops.mla_cp_attention(ql, kl, vl, cu, layout.max_seqlen, cp_group=group)
+    _assert_close(f"rank {rank} grad", out.detach().cpu(), want.cpu(), TOL[dtype])
+    out.backward(grad[rows].to(device))
+    assert ql.grad is not None and kl.grad is not None and vl.grad is not None
     return True
 
 

@@ -277,17 +277,34 @@ def test_fast_thd_rope_under_inference_mode(cp):
         "multi_latent_attention")
     g = torch.Generator().manual_seed(11)
     with torch.inference_mode():
-        freqs = rope_freqs(16 * cp, 8)[:, None, None, :]
+        # A table longer than the batch (per-sequence positions, which the offsets decide).
+        freqs = rope_freqs(20 * cp, 8)[:, None, None, :]
         cu = torch.zeros(4, dtype=torch.int32)
-        for lengths in ([2 * cp, 10 * cp, 4 * cp], [8 * cp, 2 * cp, 6 * cp]):  # one total, other offsets
-            cu.copy_(torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32))
-            assert cu.is_inference() and freqs.is_inference()
-            for rank in range(cp):
+        for rank in range(cp):
+            kw = {"rotary_interleaved": False, "mscale": 1.1, "cp_group": _Group(cp, rank), mla_kw: True}
+            # One total, other offsets, changed in place between calls of the same rank.
+            for lengths in ([2 * cp, 10 * cp, 4 * cp], [8 * cp, 2 * cp, 6 * cp]):
+                cu.copy_(torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32))
+                assert cu.is_inference() and freqs.is_inference()
                 t = torch.randn(sum(lengths) // cp, 3, 8, generator=g)
-                kw = {"rotary_interleaved": False, "mscale": 1.1, "cp_group": _Group(cp, rank), mla_kw: True}
                 want = original(t, cu, freqs, **kw)
                 for _ in range(2):
                     assert torch.equal(fast(t, cu, freqs, **kw), want), (lengths, rank)
+    # Ordinary offsets and table used under inference mode first, then with grad: what the first
+    # call built (inference tensors, which autograd cannot save) must not reach the second.
+    lengths = [2 * cp, 10 * cp, 4 * cp]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    freqs = rope_freqs(20 * cp, 8)[:, None, None, :]
+    kw = {"rotary_interleaved": False, "mscale": 1.1, "cp_group": _Group(cp, 0), mla_kw: True}
+    t = torch.randn(sum(lengths) // cp, 3, 8, generator=g)
+    with torch.inference_mode():
+        fast(t, cu, freqs, **kw)
+    a, b = t.clone().requires_grad_(True), t.clone().requires_grad_(True)
+    got, want = fast(a, cu, freqs, **kw), original(b, cu, freqs, **kw)
+    assert torch.equal(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    assert torch.equal(a.grad, b.grad)
 
 
 def test_bad_input():

@@ -477,6 +477,18 @@ def test_adapter_errors(td, monkeypatch):
     for rank, bad in ((0, "0, 2"), (1, "1, 3"), (2, "0, 2"), (3, "1, 3")):
         with pytest.raises(RuntimeError, match=rf"^Dynamic CP group members must be contiguous, got \[{bad}\]$"):
             s.schedule(make_batch(td, [3, 5, 7]), FakeGroup(4, rank=rank), tp_size=1)
+    # A bad group in the first micro-batch and another in the second: each rank raises what verl's
+    # scheduler raises where it raises (its own group, micro-batch by micro-batch; a bad layout
+    # first where the rank's own groups are fine), the others the first bad group's error.
+    Unaligned.assignment = [[[0], [1], [1], [2]], [[0], [1], [0], [2]]]
+    for rank, msg in ((0, r"members must be contiguous, got \[0, 2\]"), (1, r"group \[1, 2\] is not aligned"),
+                      (2, r"group \[1, 2\] is not aligned"), (3, r"group \[1, 2\] is not aligned")):
+        with pytest.raises(RuntimeError, match=msg):
+            s.schedule(make_batch(td, [3, 5, 7]), FakeGroup(4, rank=rank), tp_size=1)
+    Unaligned.assignment = [[[0], [1], [1], [2]]]
+    for rank, exc in ((0, ValueError), (1, RuntimeError), (3, ValueError)):
+        with pytest.raises(exc):
+            s.schedule(make_batch(td, [3, 5, 7]), FakeGroup(4, rank=rank), tp_size=1, cp_layout="interleaved")
     for bad in ([[[0], [1], [], [2]]], [[[0], [1], [2]]]):
         Unaligned.assignment = bad
         with pytest.raises(RuntimeError, match=r"^Megatron-Core Dynamic CP must assign all 4 ranks in every micro-batch$"):

@@ -932,6 +932,21 @@ class TestRealVerl:
                         ours = vi.postprocess_thd_engine(outs[rank], psps[rank], x, len(lengths))
                         for a, t in zip(ours.unbind(), theirs.unbind()):
                             assert torch.equal(a, t), (cp, rank)
+        # Ordinary nested tensors packed under inference mode first (that layout kept alive), then
+        # with grad on the same offsets: what the first call built (inference tensors, which
+        # autograd cannot save) must not reach the second.
+        real_mpu.cp, real_mpu.cp_rank = 1, 0
+        xh = nested(make_seqs(lengths, "hidden", seed=4))
+        with torch.inference_mode():
+            kept = vi.preprocess_thd_engine(xh)
+        leaf = xh.values().detach().clone().requires_grad_(True)
+        xg = torch.nested.nested_tensor_from_jagged(leaf, offsets=xh.offsets())
+        packed, psp, _ = vi.preprocess_thd_engine(xg)
+        theirs = real_verl.preprocess_thd_engine(xh)[0]
+        assert torch.equal(packed.detach(), theirs) and kept[0].shape == theirs.shape
+        packed.sum().backward()
+        out = vi.postprocess_thd_engine(packed.detach().clone().requires_grad_(True), psp, xg, len(lengths))
+        assert leaf.grad is not None and out.is_nested
 
     @pytest.mark.parametrize("roll", [False, True])
     @pytest.mark.parametrize("fp8", [False, True])

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from ._mla import BACKENDS, _qkv_error, mla_forward_padded
-from ._validate import plain_error, version_of
+from ._validate import cache_version, plain_error
 
 _ops = torch.ops.verl_ops
 
@@ -287,7 +287,7 @@ class CpPlan:
         self.max_q = int(seg_q.max()) if seg_q.numel() else 0
         self.max_kv = int(seg_kv.max()) if seg_kv.numel() else 0
         self.kv_index = kv_index.to(device)
-        self.key = (cp, rank, cp_layout, str(device), version_of(cu_seqlens_padded))
+        self.key = (cp, rank, cp_layout, str(device), cache_version(cu_seqlens_padded))
         if cp_layout == "zigzag":
             self._ring(cu, cp, device)
 
@@ -496,7 +496,7 @@ def _plan(q, k, v, cu_seqlens_padded, cp, rank, cp_layout, group, softmax_scale=
     # scale: a rank whose attention call would fail says so here, before any collective.
     error = error or _qkv_error(OP, q, k, v, softmax_scale) or _device_error(q, k, v, group)
     if not error:
-        version = version_of(cu_seqlens_padded)
+        version = cache_version(cu_seqlens_padded)
         key = (cp, rank, cp_layout, str(q.device), version)
         cached = getattr(cu_seqlens_padded, _PLAN_ATTR, None) if version is not None else None
         fresh = cached is None or cached.key != key

@@ -73,6 +73,16 @@ def version_of(t: torch.Tensor):
         return None
 
 
+def cache_version(t: torch.Tensor):
+    """What a value remembered on tensor ``t`` is keyed by: ``t``'s version (an in-place change
+    invalidates it) and whether inference mode is on (a value built under ``torch.inference_mode``
+    holds inference tensors, which autograd cannot save, so it must not be handed to a call outside
+    it, nor the other way round); None where ``t`` has no version counter (an inference tensor):
+    nothing is remembered on it."""
+    v = version_of(t)
+    return None if v is None else (v, torch.is_inference_mode_enabled())
+
+
 def host_values_required(op: str, name: str, what: str = "lengths", hint: str | None = None) -> ValueError:
     """The error for a meta tensor whose values an op must read (they decide output shapes)."""
     if hint is None:

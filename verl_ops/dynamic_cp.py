@@ -975,7 +975,7 @@ def dynamic_cp_split(
     Args:
         batch: the whole micro-batch: a jagged nested tensor ``[B, j, *F]``; or values
             ``[total, *F]`` with ``lengths``; or a dict of nested tensors (same lengths) and
-            per-sample tensors ``[B, ...]``.
+            per-sample tensors ``[B, ...]`` (per-sample tensors alone need ``lengths``).
         max_seqlen_per_dp_cp_rank: tokens one rank may hold.
         lengths: per-sequence lengths (required for a values tensor; otherwise taken from the
             nested tensors). They decide ``local_cp_size``.

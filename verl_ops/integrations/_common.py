@@ -12,6 +12,8 @@ import sys
 
 import torch
 
+from .._validate import cache_version
+
 #: Attribute of ``PackedSeqParams`` that carries the :class:`~verl_ops.ThdLayout` of its micro-batch.
 LAYOUT_ATTR = "verl_ops_layout"
 
@@ -28,9 +30,12 @@ def remember_host_offsets(layout) -> None:
         (layout.cu_seqlens, layout.cu_seqlens_cpu, layout.max_seqlen_unpadded),
         (layout.cu_seqlens_padded, layout.cu_seqlens_padded_cpu, layout.max_seqlen),
     ):
+        version = cache_version(device)
+        if version is None:  # an inference tensor: nothing remembered on it, read when needed
+            continue
         try:
             # (a CPU layout's offsets are its host copies: no tag pointing at itself)
-            setattr(device, _HOST_OFFSETS_ATTR, (device._version, None if host is device else host, longest))
+            setattr(device, _HOST_OFFSETS_ATTR, (version, None if host is device else host, longest))
         except (AttributeError, RuntimeError):  # a tensor that takes no attributes: read when needed
             pass
 
@@ -39,7 +44,7 @@ def host_offsets(cu: torch.Tensor):
     """``(host copy, longest sequence)`` of offsets ``cu`` that a drop-in's layout made (and nothing
     changed in place since), without reading the device; ``None`` for any other tensor."""
     tag = getattr(cu, _HOST_OFFSETS_ATTR, None)
-    if tag is None or tag[0] != cu._version:
+    if tag is None or tag[0] != cache_version(cu):
         return None
     return (cu if tag[1] is None else tag[1]), tag[2]
 

@@ -28,7 +28,7 @@ import warnings
 
 import torch
 
-from .._validate import version_of
+from .._validate import cache_version
 
 _PATCHED_ATTR = "_verl_ops_mla_patched"
 # A core attention with this attribute True takes V with its native head dim (no pad to Dqk).
@@ -446,7 +446,7 @@ class MLACoreAttention(torch.nn.Module):
             if cu_kv is None:
                 cu_kv = packed_seq_params.cu_seqlens_kv
             # (compared once per pair of offsets tensors: every layer of the micro-batch reuses it)
-            kv_version = version_of(cu_kv) if cu_kv is not None else None
+            kv_version = cache_version(cu_kv) if cu_kv is not None else None
             if cu_kv is not None and cu_kv is not cu and not (
                 _cached_on(cu, _SAME_KV_ATTR, (id(cu_kv), kv_version), lambda: torch.equal(cu_kv.to(cu.device), cu))
                 if kv_version is not None
@@ -639,7 +639,7 @@ _ROPE_PLANS = threading.local()
 def _cached_on(t: torch.Tensor, attr: str, key, make):
     """``make()``, remembered on tensor ``t`` under ``key`` (with t's version: in-place changes
     invalidate it), so every layer of a step reuses what the first one built."""
-    version = version_of(t)
+    version = cache_version(t)
     if version is None:  # an inference tensor: no version to key it by, nothing remembered on it
         return make()
     cache = getattr(t, attr, None)

@@ -60,7 +60,7 @@ import torch
 
 from .._library import call_op
 from .._thd import postprocess_thd, preprocess_thd
-from .._validate import check_jagged, check_plain, host_values_required, is_meta
+from .._validate import cache_version, check_jagged, check_plain, host_values_required, is_meta
 from ..layout import CP_LAYOUTS, ThdLayout, _to_device
 from ..layout import _rules as _layout_rules
 from ._common import LAYOUT_ATTR, _bool_mask, _megatron, _mpu, _verl_rule, remember_host_offsets
@@ -182,8 +182,9 @@ def _layout_of_offsets(offsets: torch.Tensor, rules: dict) -> ThdLayout:
     """The layout of checked nested offsets under ``rules``: the one built earlier from this very
     offsets tensor (unchanged since) while that layout is alive, else a new one (one host read)."""
     key = tuple(rules.values())
-    cache = getattr(offsets, _LAYOUTS_ATTR, None)
-    if cache is not None and cache[0] == offsets._version:
+    version = cache_version(offsets)
+    cache = getattr(offsets, _LAYOUTS_ATTR, None) if version is not None else None
+    if cache is not None and cache[0] == version:
         ref = cache[1].get(key)
         layout = ref() if ref is not None else None
         if layout is not None:
@@ -196,10 +197,11 @@ def _layout_of_offsets(offsets: torch.Tensor, rules: dict) -> ThdLayout:
     # the caller keeps it alive through the PackedSeqParams it returns)
     refs = {} if cache is None else {k: r for k, r in cache[1].items() if r() is not None}
     refs[key] = weakref.ref(layout)
-    try:
-        setattr(offsets, _LAYOUTS_ATTR, (offsets._version, refs))
-    except (AttributeError, RuntimeError):  # a tensor that takes no attributes: built per call
-        pass
+    if version is not None:  # (an inference tensor: nothing remembered on it, built per call)
+        try:
+            setattr(offsets, _LAYOUTS_ATTR, (version, refs))
+        except (AttributeError, RuntimeError):  # a tensor that takes no attributes: built per call
+            pass
     return layout
 
 
@@ -209,7 +211,7 @@ def _built_from(layout: ThdLayout, offsets: torch.Tensor) -> bool:
     if layout.source_offsets is not offsets:
         return False
     cache = getattr(offsets, _LAYOUTS_ATTR, None)
-    if cache is None or cache[0] != offsets._version:
+    if cache is None or cache[0] != cache_version(offsets):
         return False
     return any(r() is layout for r in cache[1].values())
 

@@ -337,6 +337,14 @@ def _verl_nested_select(value, index):
     return out
 
 
+def _check_group(members: list) -> None:
+    """verl's checks of one CP group of a micro-batch: consecutive ranks, aligned to its size."""
+    if members != list(range(members[0], members[0] + len(members))):
+        raise RuntimeError(f"Dynamic CP group members must be contiguous, got {members}")
+    if members[0] % len(members) != 0:
+        raise RuntimeError(f"Dynamic CP group {members} is not aligned to its size")
+
+
 class DynamicCPScheduler:
     """verl's ``DynamicCPScheduler``: this rank's micro-batches of a replicated batch under
     Megatron-Core's dynamic CP schedule (see the module doc).
@@ -409,22 +417,10 @@ class DynamicCPScheduler:
                 raise RuntimeError(
                     f"Megatron-Core Dynamic CP must assign all {self.total_ranks} ranks in every micro-batch"
                 )
-            # Every CP group of the micro-batch is checked, not only this rank's: each rank computes
-            # the same schedule, so a bad group makes every rank raise the same error here (a rank
-            # whose own group is fine would otherwise go on to a collective with the ones that raised).
-            by_ids = {}
-            for peer, other in enumerate(assignment):
-                by_ids.setdefault(tuple(other), []).append(peer)
             ids = assignment[rank]
-            mine = by_ids[tuple(ids)]
-            # (this rank's group first: where verl's scheduler raises, the same error)
-            for members in [mine] + [m for m in by_ids.values() if m is not mine]:
-                if members != list(range(members[0], members[0] + len(members))):
-                    raise RuntimeError(f"Dynamic CP group members must be contiguous, got {members}")
-                if members[0] % len(members) != 0:
-                    raise RuntimeError(f"Dynamic CP group {members} is not aligned to its size")
-            members = mine
+            members = [peer for peer, other in enumerate(assignment) if other == ids]
             local_cp_size = len(members)
+            _check_group(members)
             micro_batch = rows.select(ids)
             mask = local_padding_mask(
                 [seq_lens[i] for i in ids], cp_size=local_cp_size, cp_rank=members.index(rank), tp_size=tp_size,
@@ -436,6 +432,16 @@ class DynamicCPScheduler:
             micro_batch[DCP_PADDING_MASK] = NonTensorData(mask)
             micro_batch[DCP_LOCAL_NUM_TOKENS] = NonTensorData(mask.numel() - int(mask.sum().item()))
             out.append(micro_batch)
+        # Every CP group of every micro-batch, not only this rank's, once this rank's own ran as
+        # verl's do (so that where verl's scheduler raises, this raises the same): each rank
+        # computes the same schedule, so a bad group makes every rank raise here; a rank whose own
+        # groups are fine would otherwise go on to the micro-batches' collectives and wait there.
+        for assignment in groups:
+            by_ids = {}
+            for peer, other in enumerate(assignment):
+                by_ids.setdefault(tuple(other), []).append(peer)
+            for members in by_ids.values():
+                _check_group(members)
         return out
 
 
