@@ -347,17 +347,22 @@ def check_dynamic_end_to_end(rank, world, backend):
     return True
 
 
+def _expect_rank_zero_error(rank, exc, pattern, fn):
+    """fn() raises rank 0's own ``exc`` (matching ``pattern``) there, and on every other rank the
+    RuntimeError naming rank 0 (not a hang)."""
+    if rank == 0:
+        _expect_raises(exc, pattern, fn)
+    else:
+        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs", fn)
+
+
 def _expect_rank_zero_rejects_its_outputs(rank, device, split):
     """Rank 0 passes one output too many: it gets its own ValueError, every other rank a RuntimeError
     naming rank 0 (not a hang)."""
     n = len(split.plan.sample_ids)
     outs = [torch.ones(2, device=device)] * (n + (1 if rank == 0 else 0))
-    if rank == 0:
-        _expect_raises(ValueError, "group holds .* sequences but the outputs have", lambda: dynamic_cp_merge(
-            _nested(outs, device), split))
-    else:
-        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
-                       lambda: dynamic_cp_merge(_nested(outs, device), split))
+    _expect_rank_zero_error(rank, ValueError, "group holds .* sequences but the outputs have",
+                            lambda: dynamic_cp_merge(_nested(outs, device), split))
 
 
 def _expect_merge_in_sample_order(device, split, num_samples):
@@ -390,35 +395,22 @@ def check_dynamic_merge_disagreements(rank, world, backend):
     ops = torch.ops.verl_ops
     name = DynamicCPGroups.for_group().group.group_name
     split = dynamic_cp_split(_nested(_sample_values([3] * (2 * world)), device), 64)
+    # Rank 0 merges with the split of another micro-batch, the others with theirs:
+    # - more samples (a longer header);
     other = dynamic_cp_split(_nested(_sample_values([3] * (2 * world + 1)), device), 64)
     assert split.plan.num_groups == other.plan.num_groups == world
-    # Rank 0 merges with the split of another micro-batch (more samples: a longer header).
-    mine = other if rank == 0 else split
-    outs = [torch.ones(2, device=device)] * len(mine.plan.sample_ids)
-    _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), mine))
-    # The split of another micro-batch with as many samples and the same grouping (contiguous, other
-    # lengths): the plans' fingerprints differ.
+    # - as many samples and the same grouping (contiguous, other lengths): the fingerprints differ;
     same_b = dynamic_cp_split(_nested(_sample_values([4] * (2 * world)), device), 64)
     assert same_b.plan.groups == split.plan.groups
-    mine = same_b if rank == 0 else split
-    outs = [torch.ones(2, device=device)] * len(mine.plan.sample_ids)
-    _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), mine))
-    # Rank 0 with the split of a micro-batch of one group (fewer samples than ranks: every rank
-    # holds them all, no copy), the others with several groups.
+    # - one group (fewer samples than ranks: every rank holds them all, no copy) against several.
     one = dynamic_cp_split(_nested(_sample_values([3] * (world - 1)), device), 64)
     assert one.plan.num_groups == 1
-    mine = one if rank == 0 else split
-    outs = [torch.ones(2, device=device)] * len(mine.plan.sample_ids)
-    _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), mine))
+    for theirs in (other, same_b, one):
+        mine = theirs if rank == 0 else split
+        outs = [torch.ones(2, device=device)] * len(mine.plan.sample_ids)
+        _expect_raises(RuntimeError, "outputs disagree", lambda: dynamic_cp_merge(_nested(outs, device), mine))
     # One group on every rank, rank 0 with an output too many: its own error, the others one naming it.
-    n = len(one.plan.sample_ids) + (1 if rank == 0 else 0)
-    outs = [torch.ones(2, device=device)] * n
-    if rank == 0:
-        _expect_raises(ValueError, "group holds .* sequences but the outputs have", lambda: dynamic_cp_merge(
-            _nested(outs, device), one))
-    else:
-        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
-                       lambda: dynamic_cp_merge(_nested(outs, device), one))
+    _expect_rank_zero_rejects_its_outputs(rank, device, one)
     merged = dynamic_cp_merge(_nested([torch.ones(2, device=device)] * (world - 1), device), one)
     assert merged.offsets().diff().tolist() == [2] * (world - 1)
     # An empty dict on rank 0 only; then on every rank.
@@ -431,12 +423,8 @@ def check_dynamic_merge_disagreements(rank, world, backend):
     values = torch.ones(1, 2, device=device)
     lengths = torch.ones(1, dtype=torch.int64, device=device)
     ids = torch.tensor([rank], dtype=torch.int64, device=device)
-    if rank == 0:
-        _expect_raises(ValueError, "local_cp_size must be one of", lambda: ops.dynamic_cp_merge(
-            values, lengths, ids, B, 3, name))
-    else:
-        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
-                       lambda: ops.dynamic_cp_merge(values, lengths, ids, B, 1, name))
+    _expect_rank_zero_error(rank, ValueError, "local_cp_size must be one of", lambda: ops.dynamic_cp_merge(
+        values, lengths, ids, B, 3 if rank == 0 else 1, name))
     _expect_raises(RuntimeError, "outputs disagree", lambda: ops.dynamic_cp_merge(
         values, lengths, ids, B, world if rank == 0 else 1, name))
     # Ranks that disagree on validate (the checks decide whether a rank raises).
@@ -446,15 +434,8 @@ def check_dynamic_merge_disagreements(rank, world, backend):
     # 0's lengths not summing to its rows: its own error, the others a RuntimeError naming it.
     own = torch.arange(world, dtype=torch.int64, device=device)
     rows = world + (1 if rank == 0 else 0)
-    if rank == 0:
-        _expect_raises(ValueError, "group 0's outputs have", lambda: ops.dynamic_cp_merge(
-            torch.ones(rows, 2, device=device), torch.ones(world, dtype=torch.int64, device=device), own, B, world,
-            name))
-    else:
-        _expect_raises(RuntimeError, "rank\\(s\\) \\[0\\] of the group rejected their outputs",
-                       lambda: ops.dynamic_cp_merge(torch.ones(rows, 2, device=device),
-                                                    torch.ones(world, dtype=torch.int64, device=device), own, B,
-                                                    world, name))
+    _expect_rank_zero_error(rank, ValueError, "group 0's outputs have", lambda: ops.dynamic_cp_merge(
+        torch.ones(rows, 2, device=device), torch.ones(world, dtype=torch.int64, device=device), own, B, world, name))
     mv, ml = ops.dynamic_cp_merge(values * rank, lengths, ids, B, 1, name)
     assert ml.tolist() == [1] * world and mv[:, 0].cpu().tolist() == [float(r) for r in range(world)]
     _expect_merge_in_sample_order(device, split, 2 * world)  # still in step

@@ -571,18 +571,18 @@ _MERGE_N, _MERGE_ROWS, _MERGE_ROW_BYTES, _MERGE_STATUS = 0, 1, 4, 8
 _MERGE_META = 9  # the 8 meta words + the status word
 
 
-def _merge_header(values, lengths, sample_ids, num_samples, local_cp_size, key_hash, device):
-    """This rank's header row (layout above, status 0), int64 on ``device``: one launch of
-    ``dynamic_cp_merge_header`` (lengths and ids are copied on the device, never read on the host)."""
-    feat = tuple(values.shape[1:])
-    row_bytes = math.prod(feat) * values.element_size()
+def _merge_header(lengths, sample_ids, meta: list, device):
+    """This rank's header row (layout above, status 0), int64 on ``device``, from its meta words
+    (:func:`_merge_meta`): one launch of ``dynamic_cp_merge_header`` (lengths and ids are copied on
+    the device, never read on the host)."""
+    _, rows, dtype_hash, feature_hash, row_bytes, key_hash, num_samples, local_cp_size, _ = meta
     if lengths.device != device:
         lengths = lengths.to(device)
     if sample_ids.device != device:
         sample_ids = sample_ids.to(device)
     return call_op(
-        _ops.dynamic_cp_merge_header, lengths, lengths, sample_ids, num_samples, values.shape[0],
-        _crc(str(values.dtype)), _crc(feat), row_bytes, key_hash, local_cp_size,
+        _ops.dynamic_cp_merge_header, lengths, lengths, sample_ids, num_samples, rows,
+        dtype_hash, feature_hash, row_bytes, key_hash, local_cp_size,
     )
 
 
@@ -741,7 +741,7 @@ def _merge_impl(values, lengths, sample_ids, num_samples, local_cp_size, group_n
         if values.dim() < 1:
             raise ValueError(f"{op}: values must be [rows, *F], got a 0-d tensor")
         meta = _merge_meta(values, lengths.numel(), B, local_cp_size, key_hash, validate)
-        local = _merge_header(values, lengths, sample_ids, B, local_cp_size, key_hash, device)
+        local = _merge_header(lengths, sample_ids, meta, device)
         if s == (groups.dp_size if groups is not None else 1):
             # One group (local_cp_size == dp_size): each rank merges its own outputs, with no second
             # exchange. Its header checks run here, so that a bad header is this rank's error in the
